@@ -1,0 +1,113 @@
+"""`train(cfg)`: the whole job as a pure function of a composed config and a run directory."""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+
+from qlightning import report as reporting
+from qlightning.config.build import build_callback, check_targets, instantiate_checked
+from qlightning.errors import ConfigError
+
+
+def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items() if v is not None}
+    return kwargs
+
+
+def save_int8(module: torch.nn.Module, path: Path) -> Optional[str]:
+    """TorchScript of an int8 submodule, loadable with ``torch.jit.load`` without qlightning."""
+    try:
+        torch.jit.save(torch.jit.script(module), str(path))
+        return None
+    except Exception as exc:  # not every converted graph scripts; say so instead of failing the run
+        return f"{type(exc).__name__}: {exc}"
+
+
+def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Train with QAT, convert to int8, and write checkpoints, the int8 model and the report into ``run_dir``.
+
+    Every configuration problem is raised as one :class:`ConfigError` before the first training step.
+    """
+    start = time.perf_counter()
+    run_dir = Path(run_dir)
+    errors = check_targets(cfg)
+    try:
+        callback = build_callback(cfg)
+    except ConfigError as exc:
+        errors.extend(exc.problems)
+    if errors:
+        raise ConfigError(errors)
+
+    callback.provenance = {**(provenance or {}), "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate_checked(cfg.data, "data")
+    model = instantiate_checked(cfg.model, "model")
+
+    ckpt = ModelCheckpoint(
+        dirpath=run_dir / "checkpoints",
+        filename="{epoch}-{step}",
+        save_last=cfg.checkpoint.save_last,
+        save_top_k=cfg.checkpoint.save_top_k,
+        every_n_epochs=cfg.checkpoint.every_n_epochs if cfg.checkpoint.every_n_train_steps is None else None,
+        every_n_train_steps=cfg.checkpoint.every_n_train_steps,
+    )
+    trainer = pl.Trainer(
+        **trainer_kwargs(cfg),
+        default_root_dir=str(run_dir),
+        callbacks=[callback, ckpt],
+        logger=CSVLogger(str(run_dir), name="logs", version=""),
+    )
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+
+    result: dict[str, Any] = {"run_dir": str(run_dir), "provenance": provenance or {}}
+    if callback.converted and trainer.is_global_zero:
+        result["int8_models"] = {}
+        for name in callback.targets:
+            path = run_dir / f"int8_{name}.pt"
+            problem = save_int8(model.get_submodule(name), path)
+            result["int8_models"][name] = str(path) if problem is None else f"not saved: {problem}"
+        if cfg.report.enabled:
+
+            def eval_trainer() -> pl.Trainer:
+                return pl.Trainer(
+                    accelerator="cpu",
+                    devices=1,
+                    logger=False,
+                    enable_checkpointing=False,
+                    enable_progress_bar=False,
+                    enable_model_summary=False,
+                    limit_test_batches=cfg.trainer.limit_test_batches,
+                )
+
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+                result.update(
+                    reporting.build_report(
+                        callback,
+                        model,
+                        datamodule,
+                        eval_trainer,
+                        batch_size=cfg.report.latency_batch_size,
+                        repeats=cfg.report.latency_repeats,
+                        threads=cfg.report.latency_threads,
+                    )
+                )
+    result["checkpoint"] = ckpt.last_model_path or ckpt.best_model_path
+    result["wall_s"] = round(time.perf_counter() - start, 2)
+    if "metrics" in result:
+        reporting.write(result, run_dir)
+        reporting.print_table(result)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    if provenance:
+        (run_dir / "provenance.json").write_text(json.dumps(provenance, indent=2))
+    return result

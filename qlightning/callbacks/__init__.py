@@ -1,0 +1,3 @@
+from qlightning.callbacks.qat import QuantizationAwareTraining
+
+__all__ = ["QuantizationAwareTraining"]

@@ -1,0 +1,343 @@
+"""QuantizationAwareTraining: prepare at fit start, follow the schedule, convert at fit end."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from qlightning.capture import example_inputs_for, resolve_targets
+from qlightning.engines import BACKENDS, ENGINES, Inputs, QuantEngine, QuantSpec, get_engine
+from qlightning.errors import ConfigError, QLightningError
+from qlightning.schedule import MilestoneLike, Phase, Schedule
+
+STAGES = ("train", "validate", "test", "predict")
+STATE_VERSION = 1
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    if isinstance(parent, (nn.Sequential, nn.ModuleList)) and child.isdigit():
+        parent[int(child)] = module
+    else:
+        setattr(parent, child, module)
+
+
+def _as_inputs(value: Any) -> Inputs:
+    if isinstance(value, Inputs):
+        return value
+    if isinstance(value, torch.Tensor):
+        return Inputs((value,))
+    if isinstance(value, Mapping):
+        return Inputs((), dict(value))
+    return Inputs(tuple(value))
+
+
+class QuantizationAwareTraining(Callback):
+    """Quantization-aware training of chosen submodules of a LightningModule.
+
+    The named submodules are fused, traced and prepared for QAT when fit starts: after
+    ``LightningModule.setup``/``configure_model`` but before a checkpoint is restored and before
+    ``configure_optimizers``, so the optimizer owns the prepared parameters (learnable scales too)
+    and a resumed fit loads its state strictly. During training the phase (fake-quant on/off,
+    observers running/frozen, BatchNorm statistics updating/frozen) is a pure function of
+    ``(global_step, epoch)``. Observers update only inside training steps (and stages listed in
+    ``observe_stages``), so validation measures fake-quant quality without moving any scale.
+    When fit ends each submodule is converted and lowered to int8 for ``backend`` in place, so
+    ``trainer.validate/test/predict`` afterwards run the int8 model.
+
+    Args:
+        modules: names (or glob patterns such as ``"encoder.layer.*.output"``) of the submodules
+            of the LightningModule to quantize, each prepared and converted on its own.
+        backend: int8 kernel library to target, one of ``"x86"``, ``"fbgemm"``, ``"qnnpack"``, ``"onednn"``.
+        engine: ``"fx"`` (torch.ao FX graph mode) or ``"pt2e"`` (torchao PT2E), or an engine instance.
+        fake_quant_start: when fake-quant turns on, ``{"epoch": N}`` or ``{"step": N}``;
+            ``None`` = from the first step. Observers run from the first step regardless.
+        observer_freeze: when observers stop updating; ``None`` = never.
+        bn_freeze: when BatchNorm running statistics freeze; ``None`` = never.
+        qconfig_mapping: the engine's native qconfig mapping (FX: ``QConfigMapping``); ``None``
+            uses the backend's default QAT mapping.
+        prepare_custom_config: native prepare custom config (FX: ``PrepareCustomConfig``).
+        convert_custom_config: native convert custom config (FX: ``ConvertCustomConfig``).
+        backend_config: native ``BackendConfig``; ``None`` uses the backend's own.
+        example_inputs: ``{module_name: tensor | tuple | dict}`` used instead of capturing inputs
+            from ``example_input_array`` or a training batch.
+        observe_stages: stages in which observers update, from ``"train"``, ``"validate"``,
+            ``"test"``, ``"predict"``. Default ``("train",)``.
+        convert_on_fit_end: convert to int8 when fit ends; ``False`` keeps the fake-quant model
+            (and allows another ``fit``).
+        keep_fake_quant: keep a copy of each fake-quant submodule in :attr:`fake_quant_modules`
+            when converting (for reports and parity checks).
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from qlightning import QuantizationAwareTraining
+
+        qat = QuantizationAwareTraining(modules=["net"], backend="x86", fake_quant_start={"epoch": 2})
+        trainer = Trainer(max_epochs=6, callbacks=[qat])
+        trainer.fit(model, datamodule=dm)
+        trainer.test(model, datamodule=dm)  # runs the int8 model
+    """
+
+    def __init__(
+        self,
+        modules: Union[str, Sequence[str]] = ("net",),
+        backend: str = "x86",
+        engine: Union[str, QuantEngine] = "fx",
+        fake_quant_start: MilestoneLike = None,
+        observer_freeze: MilestoneLike = None,
+        bn_freeze: MilestoneLike = None,
+        qconfig_mapping: Any = None,
+        prepare_custom_config: Any = None,
+        convert_custom_config: Any = None,
+        backend_config: Any = None,
+        example_inputs: Optional[Mapping[str, Any]] = None,
+        observe_stages: Sequence[str] = ("train",),
+        convert_on_fit_end: bool = True,
+        keep_fake_quant: bool = True,
+        engine_options: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        errors: list[str] = []
+        names = [modules] if isinstance(modules, str) else list(modules)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            errors.append(f"modules={modules!r}: give one or more submodule names, e.g. ['net']")
+        if backend not in BACKENDS:
+            errors.append(f"backend={backend!r}: unknown backend; valid choices: {list(BACKENDS)}")
+        elif backend not in torch.backends.quantized.supported_engines:
+            errors.append(
+                f"backend={backend!r}: not available in this torch build; available: "
+                f"{[b for b in BACKENDS if b in torch.backends.quantized.supported_engines]}"
+            )
+        if isinstance(engine, str) and engine not in ENGINES:
+            errors.append(f"engine={engine!r}: unknown engine; valid choices: {list(ENGINES)}")
+        bad_stages = [s for s in observe_stages if s not in STAGES]
+        if bad_stages:
+            errors.append(f"observe_stages={list(observe_stages)!r}: unknown stage(s) {bad_stages}; valid: {list(STAGES)}")
+        self.schedule = Schedule.from_config(
+            fake_quant_start, observer_freeze, bn_freeze, prefix="schedule", errors=errors
+        )
+        freeze = self.schedule.observer_freeze
+        if freeze is not None and (freeze.step == 0 or freeze.epoch == 0):
+            errors.append(f"observer_freeze ({freeze}): must be positive, observers need at least one step to calibrate")
+        if example_inputs is not None and not isinstance(example_inputs, Mapping):
+            errors.append("example_inputs: expected a mapping {module_name: tensor | tuple | dict}")
+        if errors:
+            raise ConfigError(errors)
+
+        self.module_names = names
+        self.backend = backend
+        self._engine_arg = engine
+        self._engine: Optional[QuantEngine] = None if isinstance(engine, str) else engine
+        self.spec = QuantSpec(
+            backend=backend,
+            qconfig_mapping=qconfig_mapping,
+            prepare_custom_config=prepare_custom_config,
+            convert_custom_config=convert_custom_config,
+            backend_config=backend_config,
+            is_qat=True,
+            options=dict(engine_options or {}),
+        )
+        self.example_inputs = {k: _as_inputs(v) for k, v in (example_inputs or {}).items()}
+        self.observe_stages = tuple(observe_stages)
+        self.convert_on_fit_end = convert_on_fit_end
+        self.keep_fake_quant = keep_fake_quant
+
+        self.targets: list[str] = []
+        self.prepared = False
+        self.converted = False
+        self.phase: Optional[Phase] = None
+        self.fake_quant_modules: dict[str, nn.Module] = {}
+        self.inputs: dict[str, Inputs] = {}
+        # Plain data saved in every checkpoint (the resolved recipe, its hash, library versions).
+        self.provenance: dict[str, Any] = {}
+
+    @property
+    def engine(self) -> QuantEngine:
+        if self._engine is None:
+            self._engine = get_engine(self._engine_arg)  # type: ignore[arg-type]
+        return self._engine
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(modules=tuple(self.module_names), backend=self.backend)
+
+    # ------------------------------------------------------------------ preparation
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit" or self.prepared:
+            if stage == "fit" and self.converted:
+                raise QLightningError(
+                    "QuantizationAwareTraining: the model was already converted to int8 at the end of a "
+                    "previous fit; pass convert_on_fit_end=False to fit more than once"
+                )
+            return
+        self.engine  # fail early if the engine cannot run here
+        # Prepare right after LightningModule.setup/configure_model (so modules built there exist)
+        # and before Lightning restores a checkpoint or calls configure_optimizers.
+        original = pl_module.configure_model
+
+        def configure_model_then_prepare() -> None:
+            del pl_module.configure_model  # back to the class's method before anything can fail
+            original()
+            self.prepare(pl_module, trainer)
+
+        pl_module.configure_model = configure_model_then_prepare  # type: ignore[method-assign]
+
+    def _batch_source(self, trainer: "pl.Trainer") -> Any:
+        def first_batch() -> Any:
+            source = trainer.fit_loop._data_source
+            if not source.is_defined():
+                return None
+            loader = source.dataloader()
+            return next(iter(loader))
+
+        return first_batch
+
+    def prepare(self, pl_module: "pl.LightningModule", trainer: Optional["pl.Trainer"] = None) -> None:
+        """Prepare every target submodule of ``pl_module`` in place (idempotent).
+
+        Called by the Trainer; call it yourself to rebuild a fake-quant model without a Trainer.
+        """
+        if self.prepared:
+            return
+        self.targets = resolve_targets(pl_module, self.module_names, key="modules")
+        self.inputs = example_inputs_for(
+            pl_module,
+            self.targets,
+            batch_source=self._batch_source(trainer) if trainer is not None else None,
+            configured=self.example_inputs,
+        )
+        for name in self.targets:
+            float_module = pl_module.get_submodule(name)
+            prepared = self.engine.prepare(float_module, self.inputs[name], self.spec)
+            _set_submodule(pl_module, name, prepared)
+        self.prepared = True
+        self._apply(pl_module, self.schedule.phase(0, 0))
+        self._set_observers(pl_module, False)
+        rank_zero_info(
+            f"[qlightning] prepared {self.targets} for QAT ({self.engine.name} engine, {self.backend} backend); "
+            f"schedule: fake-quant from {self.schedule.fake_quant_start or 'step 0'}, "
+            f"observers freeze at {self.schedule.observer_freeze or 'never'}, "
+            f"BN freezes at {self.schedule.bn_freeze or 'never'}"
+        )
+
+    # ------------------------------------------------------------------ schedule
+
+    def _apply(self, pl_module: "pl.LightningModule", phase: Phase) -> None:
+        for name in self.targets:
+            self.engine.set_phase(pl_module.get_submodule(name), phase)
+
+    def _set_observers(self, pl_module: "pl.LightningModule", enabled: bool) -> None:
+        for name in self.targets:
+            self.engine.set_observers(pl_module.get_submodule(name), enabled)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
+        if not self.prepared or self.converted:
+            return
+        phase = self.schedule.phase(trainer.global_step, trainer.current_epoch)
+        if phase != self.phase:
+            rank_zero_info(
+                f"[qlightning] step {trainer.global_step} (epoch {trainer.current_epoch}): {phase.describe()}"
+            )
+            self.phase = phase
+        if trainer.loggers:
+            for key, value in vars(phase).items():
+                pl_module.log(f"qat/{key}", float(value), on_step=True, on_epoch=False)
+        # applied every batch: Lightning's model.train() after validation resets BatchNorm modes
+        self._apply(pl_module, phase)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Observers update only inside training steps: no summary, sanity check or other callback's
+        # forward pass can move a scale.
+        if self.prepared and not self.converted:
+            self._set_observers(pl_module, False)
+
+    def _evaluation(self, pl_module: "pl.LightningModule", stage: str, start: bool) -> None:
+        if self.prepared and not self.converted:
+            self._set_observers(pl_module, start and stage in self.observe_stages)
+
+    @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._evaluation(pl_module, "validate", True)
+
+    @override
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._evaluation(pl_module, "validate", False)
+
+    @override
+    def on_test_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._evaluation(pl_module, "test", True)
+
+    @override
+    def on_test_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._evaluation(pl_module, "test", False)
+
+    @override
+    def on_predict_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._evaluation(pl_module, "predict", True)
+
+    @override
+    def on_predict_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._evaluation(pl_module, "predict", False)
+
+    # ------------------------------------------------------------------ conversion
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.convert_on_fit_end and self.prepared and not self.converted:
+            self.convert(pl_module)
+
+    def convert(self, pl_module: "pl.LightningModule") -> None:
+        """Convert every prepared submodule to int8 for the backend, in place."""
+        for name in self.targets:
+            prepared = pl_module.get_submodule(name)
+            self.engine.set_observers(prepared, False)
+            if self.keep_fake_quant:
+                self.fake_quant_modules[name] = copy.deepcopy(prepared).eval()
+            _set_submodule(pl_module, name, self.engine.convert(prepared, self.spec))
+        self.converted = True
+        rank_zero_info(f"[qlightning] converted {self.targets} to int8 ({self.backend})")
+
+    # ------------------------------------------------------------------ checkpoint state
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "engine": self.engine.name,
+            "backend": self.backend,
+            "modules": list(self.targets),
+            "converted": self.converted,
+            "phase": None if self.phase is None else vars(self.phase).copy(),
+            "provenance": self.provenance,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("modules")
+        if self.prepared and saved is not None and list(saved) != self.targets:
+            raise ConfigError(
+                f"modules: the checkpoint was trained with quantized modules {saved}, this run prepares {self.targets}"
+            )
+        if state_dict.get("backend") not in (None, self.backend):
+            raise ConfigError(
+                f"backend={self.backend!r}: the checkpoint was trained for backend {state_dict['backend']!r}"
+            )
+        phase = state_dict.get("phase")
+        self.phase = Phase(**phase) if phase else None
+        self.provenance = self.provenance or dict(state_dict.get("provenance") or {})

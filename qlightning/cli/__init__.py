@@ -1,0 +1,41 @@
+"""`qlightning` console script: one small module per subcommand."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+USAGE = """usage: qlightning COMMAND [ARGS...]
+
+commands:
+  train [OVERRIDES...]     train with QAT and convert to int8 (Hydra app; `qlightning train --help`)
+  recipes list|show|validate|cp
+                           the shared recipes: list them, print one, check one without training, copy one
+
+examples:
+  qlightning train
+  qlightning train recipe=digits_fast trainer.max_epochs=3 quant.backend=qnnpack
+  qlightning train ckpt_path=outputs/2026-11-30/10-00-00/checkpoints/last.ckpt
+"""
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "train":
+        from qlightning.cli.train import main as train_main
+
+        return train_main(rest)
+    if command == "recipes":
+        from qlightning.cli.recipes import main as recipes_main
+
+        return recipes_main(rest)
+    print(f"qlightning: unknown command {command!r}; valid commands: train, recipes\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from qlightning.cli import main
+
+sys.exit(main())

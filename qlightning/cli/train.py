@@ -1,0 +1,66 @@
+"""`qlightning train`: a thin Hydra wrapper around :func:`qlightning.app.train`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from qlightning import recipes_registry
+from qlightning.config import store
+from qlightning.errors import ConfigError
+
+_state: dict = {}
+
+
+def _trusted_from_overrides(overrides: Sequence[str]) -> list[str]:
+    for item in overrides:
+        if item.lstrip("+").startswith("trusted_modules="):
+            value = item.split("=", 1)[1].strip("[]")
+            return [v.strip().strip("'\"") for v in value.split(",") if v.strip()]
+    return []
+
+
+def prepare_overrides(overrides: Sequence[str]) -> tuple[list[str], Optional[recipes_registry.Recipe]]:
+    """Resolve ``recipe=NAME|PATH``: check the recipe as data and register it for Hydra."""
+    out, recipe = [], None
+    for item in overrides:
+        if item.startswith("recipe="):
+            recipe = recipes_registry.find(item.split("=", 1)[1])
+            store.register(recipe, _trusted_from_overrides(overrides))
+            item = f"recipe={recipe.name}"
+        out.append(item)
+    if recipe is None:
+        store.register()
+    return out, recipe
+
+
+@hydra.main(version_base="1.3", config_path="pkg://qlightning.conf", config_name="train")
+def _hydra_main(cfg: DictConfig) -> None:
+    from qlightning.app import train
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    provenance = recipes_registry.provenance(_state.get("recipe"))
+    try:
+        train(cfg, run_dir, provenance=provenance)
+    except ConfigError as exc:
+        print(f"qlightning: configuration error\n{exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        overrides, recipe = prepare_overrides(argv)
+    except ConfigError as exc:
+        print(f"qlightning: configuration error\n{exc}", file=sys.stderr)
+        return 2
+    _state["recipe"] = recipe
+    sys.argv = ["qlightning train", *overrides]
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    _hydra_main()
+    return 0

@@ -1,0 +1,87 @@
+"""From a composed config to objects: checked first, everything reported at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from qlightning.callbacks import QuantizationAwareTraining
+from qlightning.config.allowlist import check_class_paths
+from qlightning.engines import Inputs
+from qlightning.errors import ConfigError
+
+
+def _enum_value(value: Any) -> Any:
+    return getattr(value, "value", value)
+
+
+def _milestone(node: Any) -> Any:
+    if node is None:
+        return None
+    return {k: v for k, v in OmegaConf.to_container(node).items() if v is not None} or None
+
+
+def _example_inputs(node: Any, errors: list[str]) -> dict[str, Inputs]:
+    inputs = {}
+    for name, spec in (node or {}).items():
+        dtype = getattr(torch, str(spec.dtype), None)
+        if not isinstance(dtype, torch.dtype):
+            errors.append(f"quant.example_inputs.{name}.dtype={spec.dtype!r}: not a torch dtype (e.g. float32, int64)")
+            continue
+        if not spec.shape or any(int(d) < 1 for d in spec.shape):
+            errors.append(f"quant.example_inputs.{name}.shape={list(spec.shape)}: give positive sizes, e.g. [1, 1, 8, 8]")
+            continue
+        shape = [int(d) for d in spec.shape]
+        tensor = torch.zeros(shape, dtype=dtype) if not dtype.is_floating_point else torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+        inputs[str(name)] = Inputs((tensor,))
+    return inputs
+
+
+def callback_kwargs(quant: DictConfig, errors: list[str]) -> dict[str, Any]:
+    """Keyword arguments of :class:`QuantizationAwareTraining` from ``cfg.quant``."""
+    return {
+        "modules": list(quant.modules),
+        "backend": _enum_value(quant.backend),
+        "engine": _enum_value(quant.engine),
+        "fake_quant_start": _milestone(quant.schedule.fake_quant_start),
+        "observer_freeze": _milestone(quant.schedule.observer_freeze),
+        "bn_freeze": _milestone(quant.schedule.bn_freeze),
+        "observe_stages": [_enum_value(s) for s in quant.observe_stages],
+        "convert_on_fit_end": bool(quant.convert_on_fit_end),
+        "example_inputs": _example_inputs(quant.example_inputs, errors),
+    }
+
+
+def build_callback(cfg: DictConfig) -> QuantizationAwareTraining:
+    """The QAT callback of a config; all problems in one :class:`ConfigError` (keys prefixed ``quant.``)."""
+    errors: list[str] = []
+    kwargs = callback_kwargs(cfg.quant, errors)
+    try:
+        callback = QuantizationAwareTraining(**kwargs)
+    except ConfigError as exc:
+        errors.extend(f"quant.{p}" if not p.startswith("quant.") else p for p in exc.problems)
+        callback = None
+    if errors:
+        raise ConfigError(errors)
+    return callback  # type: ignore[return-value]
+
+
+def check_targets(cfg: DictConfig) -> list[str]:
+    errors = []
+    for group in ("data", "model"):
+        node = cfg.get(group)
+        if not node or "_target_" not in node:
+            errors.append(f"{group}: needs a _target_ (the class to build), e.g. qlightning.examples.DigitsDataModule")
+    errors += check_class_paths(cfg, cfg.get("trusted_modules", []))
+    return errors
+
+
+def instantiate_checked(node: DictConfig, key: str) -> Any:
+    try:
+        return instantiate(node, _convert_="all")
+    except Exception as exc:
+        cause = exc.__cause__ or exc
+        raise ConfigError(f"{key}: could not build {node.get('_target_')!r}: {type(cause).__name__}: {cause}") from None

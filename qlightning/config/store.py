@@ -1,0 +1,26 @@
+"""Registers the schema and the recipes in Hydra's ConfigStore."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from qlightning import recipes_registry
+from qlightning.config.schema import TrainConfig
+
+SCHEMA_NAME = "qlightning_schema"
+
+
+def register(extra_recipe: Optional[recipes_registry.Recipe] = None, user_trusted: Iterable[str] = ()) -> None:
+    """Store the ``TrainConfig`` schema and every known recipe (group ``recipe``, package ``_global_``).
+
+    Recipes are loaded (checked as data) only when they are the selected one, so a broken recipe
+    elsewhere on the search path cannot stop another run.
+    """
+    cs = ConfigStore.instance()
+    cs.store(name=SCHEMA_NAME, node=TrainConfig)
+    if extra_recipe is not None:
+        node = recipes_registry.load(extra_recipe, user_trusted)
+        node.pop("schema_version", None)
+        cs.store(group="recipe", name=extra_recipe.name, node=node, package="_global_")

@@ -1,0 +1,182 @@
+"""The FX graph mode engine: torch.ao ``prepare_qat_fx`` / ``prepare_fx`` and ``convert_fx``.
+
+FX graph mode quantization is deprecated upstream but still ships in torch 2.13/2.14. Where a
+torch lacks it, constructing :class:`FxEngine` raises a clear
+:class:`~qlightning.errors.EngineUnavailableError`; importing qlightning never fails because of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, quantized_engine
+from qlightning.errors import EngineUnavailableError, TraceError
+from qlightning.schedule import Phase
+
+# Warnings torch.ao raises on every call of the deprecated API; we say it once, in the README.
+_NOISY = (
+    r".*torch\.ao\.quantization is deprecated.*",
+    r".*reduce_range will be deprecated.*",
+    r".*quantized tensor creation functions.*deprecated.*",
+    r".*must run observer before calling calculate_qparams.*",
+)
+
+
+@contextlib.contextmanager
+def quiet_torch_ao() -> Iterator[None]:
+    with warnings.catch_warnings():
+        for pattern in _NOISY:
+            warnings.filterwarnings("ignore", message=pattern)
+        yield
+
+
+def load_torch_ao() -> SimpleNamespace:
+    """Import the torch.ao pieces the FX engine needs, or explain why they are missing."""
+    try:
+        with quiet_torch_ao():
+            from torch.ao.nn.intrinsic import qat as nniqat
+            from torch.ao.quantization import (
+                FakeQuantizeBase,
+                ObserverBase,
+                QConfigMapping,
+                get_default_qat_qconfig_mapping,
+                get_default_qconfig_mapping,
+            )
+            from torch.ao.quantization.backend_config import (
+                get_fbgemm_backend_config,
+                get_onednn_backend_config,
+                get_qnnpack_backend_config,
+            )
+            from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
+            from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx, prepare_qat_fx
+    except ImportError as exc:  # pragma: no cover - depends on the torch build
+        raise EngineUnavailableError(
+            f"quant.engine='fx' needs torch.ao FX graph mode quantization (torch.ao.quantization.quantize_fx), "
+            f"which torch {torch.__version__} does not provide ({exc}). FX graph mode is deprecated upstream; "
+            "use quant.engine=pt2e (torchao), or install a torch that still ships it (2.13 or 2.14)."
+        ) from exc
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k != "exc"})
+
+
+class FxEngine(QuantEngine):
+    """torch.ao FX graph mode: fuse + trace + insert fake-quant, then ``convert_fx`` and lower.
+
+    Example::
+
+        engine = FxEngine()
+        prepared = engine.prepare(net.train(), Inputs((torch.randn(1, 1, 8, 8),)), QuantSpec(backend="x86"))
+        ...  # train
+        int8 = engine.convert(prepared, QuantSpec(backend="x86"))
+    """
+
+    name = "fx"
+
+    def __init__(self) -> None:
+        self.ao = load_torch_ao()
+        self._backend_configs = {
+            "x86": self.ao.get_x86_backend_config,
+            "fbgemm": self.ao.get_fbgemm_backend_config,
+            "qnnpack": self.ao.get_qnnpack_backend_config,
+            "onednn": self.ao.get_onednn_backend_config,
+        }
+
+    def default_qconfig_mapping(self, spec: QuantSpec) -> Any:
+        with quiet_torch_ao():
+            if spec.is_qat:
+                return self.ao.get_default_qat_qconfig_mapping(spec.backend)
+            return self.ao.get_default_qconfig_mapping(spec.backend)
+
+    def backend_config(self, spec: QuantSpec) -> Any:
+        return spec.backend_config if spec.backend_config is not None else self._backend_configs[spec.backend]()
+
+    @staticmethod
+    def positional_inputs(module: nn.Module, inputs: Inputs) -> tuple[Any, ...]:
+        """FX traces ``forward`` by signature; keyword inputs are bound to their positions."""
+        if not inputs.kwargs:
+            return tuple(inputs.args)
+        bound = inspect.signature(module.forward).bind_partial(*inputs.args, **inputs.kwargs)
+        return tuple(bound.arguments.values())
+
+    def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
+        quantized_engine(spec.backend)
+        mapping = spec.qconfig_mapping if spec.qconfig_mapping is not None else self.default_qconfig_mapping(spec)
+        prepare = self.ao.prepare_qat_fx if spec.is_qat else self.ao.prepare_fx
+        module.train(spec.is_qat)
+        kwargs: dict[str, Any] = {
+            "qconfig_mapping": mapping,
+            "example_inputs": self.positional_inputs(module, inputs),
+            "prepare_custom_config": spec.prepare_custom_config,
+            "backend_config": self.backend_config(spec),
+        }
+        if not spec.is_qat and spec.options.get("equalization_config") is not None:
+            kwargs["_equalization_config"] = spec.options["equalization_config"]
+        try:
+            with quiet_torch_ao():
+                return prepare(module, **kwargs)
+        except (torch.fx.proxy.TraceError, TypeError, RuntimeError, NotImplementedError, AttributeError) as exc:
+            raise TraceError(
+                f"FX could not trace {type(module).__name__}: {type(exc).__name__}: {exc}. "
+                "Quantize a smaller submodule that traces (quant.modules), skip the part that does not "
+                "(quant.prepare.non_traceable_module_names / _classes), or run `qlightning doctor` for a diagnosis."
+            ) from exc
+
+    def _quant_modules(self, module: nn.Module) -> Iterator[nn.Module]:
+        for m in module.modules():
+            if isinstance(m, (self.ao.FakeQuantizeBase, self.ao.ObserverBase)):
+                yield m
+
+    def set_phase(self, module: nn.Module, phase: Phase) -> None:
+        for m in self._quant_modules(module):
+            if isinstance(m, self.ao.FakeQuantizeBase):
+                m.enable_fake_quant(phase.fake_quant)
+                m.enable_observer(phase.observe)
+                if hasattr(m, "learning_enabled"):
+                    # _LearnableFakeQuantize (LSQ): observers estimate scale/zero point until they freeze,
+                    # from then on the optimizer learns them.
+                    m.toggle_qparam_learning(phase.fake_quant and not phase.observe)
+        module.apply(self.ao.nniqat.freeze_bn_stats if phase.bn_frozen else self.ao.nniqat.update_bn_stats)
+        if phase.bn_frozen:  # BatchNorms that were not fused into a conv: eval mode keeps running stats fixed
+            for m in module.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+
+    def set_observers(self, module: nn.Module, enabled: bool) -> None:
+        for m in self._quant_modules(module):
+            if isinstance(m, self.ao.FakeQuantizeBase):
+                m.enable_observer(enabled)
+
+    def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
+        quantized_engine(spec.backend)
+        module.eval()
+        with quiet_torch_ao():
+            return self.ao.convert_fx(
+                module,
+                convert_custom_config=spec.convert_custom_config,
+                backend_config=self.backend_config(spec),
+            )
+
+    def quant_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, m in module.named_modules():
+            if isinstance(m, (self.ao.FakeQuantizeBase, self.ao.ObserverBase)):
+                for buf_name, buf in m.named_buffers(prefix=name):
+                    yield buf_name, buf
+
+    def describe_qparams(self, module: nn.Module) -> dict[str, dict[str, Any]]:
+        summary = {}
+        for name, m in module.named_modules():
+            if isinstance(m, self.ao.FakeQuantizeBase) and hasattr(m, "scale"):
+                scale = m.scale.detach().float()
+                summary[name] = {
+                    "scale_mean": float(scale.mean()),
+                    "zero_point_mean": float(m.zero_point.detach().float().mean()),
+                    "fake_quant": bool(m.fake_quant_enabled[0]),
+                    "observer": bool(m.observer_enabled[0]),
+                }
+        return summary

@@ -1,0 +1,33 @@
+"""Error types of qlightning: each names the config key or argument, the bad value and the choices."""
+
+from __future__ import annotations
+
+from typing import Iterable, Union
+
+
+class QLightningError(Exception):
+    """Base class of every error qlightning raises on purpose."""
+
+
+class ConfigError(QLightningError, ValueError):
+    """One or more invalid settings, all reported together.
+
+    Args:
+        problems: one message or several; each names the key, the bad value and the valid choices.
+    """
+
+    def __init__(self, problems: Union[str, Iterable[str]]) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            text = self.problems[0]
+        else:
+            text = f"{len(self.problems)} configuration errors:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(text)
+
+
+class EngineUnavailableError(QLightningError, RuntimeError):
+    """The chosen quantization engine cannot run with the installed torch / torchao."""
+
+
+class TraceError(QLightningError, RuntimeError):
+    """A submodule could not be traced or prepared; the message says which and suggests a route."""

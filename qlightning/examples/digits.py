@@ -1,0 +1,196 @@
+"""Digits (8x8 handwritten, 1797 images, shipped with scikit-learn) and a Conv-BN-ReLU CNN.
+
+Real data that needs no download, small enough that a full float warm-up + QAT + convert run
+takes well under a minute on two cores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A shuffling sampler whose order depends only on (seed, epoch).
+
+    Lightning calls ``set_epoch`` before every epoch, so a run resumed from a checkpoint sees the
+    same order in each epoch as the uninterrupted run (a plain ``shuffle=True`` loader re-created
+    on resume would restart its generator).
+    """
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):  # type: ignore[override]
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    """scikit-learn's ``load_digits`` as 1x8x8 float images in [0, 1], split by a seeded permutation.
+
+    Args:
+        batch_size: Batch size of every loader.
+        val_fraction: Share of the images held out for validation.
+        test_fraction: Share of the images held out for the test set.
+        seed: Seed of the split permutation and of the training loader's shuffling.
+        as_sequence: Yield ``(N, 8, 8)`` row sequences instead of ``(N, 1, 8, 8)`` images.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        val_fraction: float = 0.15,
+        test_fraction: float = 0.15,
+        seed: int = 0,
+        as_sequence: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 0 < val_fraction < 1 or not 0 < test_fraction < 1 or val_fraction + test_fraction >= 1:
+            raise ValueError(
+                f"DigitsDataModule: val_fraction={val_fraction} and test_fraction={test_fraction} must be in (0, 1)"
+                " and sum to less than 1"
+            )
+        if batch_size < 1:
+            raise ValueError(f"DigitsDataModule: batch_size must be a positive integer, got {batch_size}")
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
+        self.seed = seed
+        self.as_sequence = as_sequence
+        self.splits: dict[str, TensorDataset] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        images = torch.tensor(digits.images / 16.0, dtype=torch.float32)
+        images = images if self.as_sequence else images.unsqueeze(1)
+        labels = torch.tensor(digits.target, dtype=torch.long)
+        order = torch.from_numpy(np.random.default_rng(self.seed).permutation(len(labels)))
+        n_test = int(round(len(labels) * self.test_fraction))
+        n_val = int(round(len(labels) * self.val_fraction))
+        parts = {
+            "test": order[:n_test],
+            "val": order[n_test : n_test + n_val],
+            "train": order[n_test + n_val :],
+        }
+        self.splits = {name: TensorDataset(images[idx], labels[idx]) for name, idx in parts.items()}
+
+    def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
+        self.setup()
+        data = self.splits[split]
+        sampler = EpochShuffleSampler(len(data), self.seed) if shuffle else None
+        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+
+def conv_bn_relu(c_in: int, c_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU())
+
+
+class DigitsCNN(nn.Module):
+    """Three Conv-BN-ReLU blocks, a max-pool, global average pooling and a linear classifier."""
+
+    def __init__(self, channels: tuple[int, int, int] = (16, 32, 64), num_classes: int = 10) -> None:
+        super().__init__()
+        c1, c2, c3 = channels
+        self.features = nn.Sequential(
+            conv_bn_relu(1, c1), conv_bn_relu(c1, c2), nn.MaxPool2d(2), conv_bn_relu(c2, c3), nn.AdaptiveAvgPool2d(1)
+        )
+        self.classifier = nn.Linear(c3, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+class ClassifierModule(pl.LightningModule):
+    """A LightningModule around ``self.net`` with cross-entropy, Adam and torchmetrics accuracy.
+
+    Every stage logs ``<stage>/loss`` and ``<stage>/accuracy``; the report reads the test ones.
+    """
+
+    def __init__(self, net: nn.Module, lr: float = 1e-2, weight_decay: float = 0.0, num_classes: int = 10) -> None:
+        super().__init__()
+        self.net = net
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.metrics = nn.ModuleDict(
+            {
+                stage: torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
+                for stage in ("train_acc", "val_acc", "test_acc")
+            }
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def _step(self, batch: Any, stage: str) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        metric = self.metrics[f"{stage}_acc"]
+        metric(logits, y)
+        self.log(f"{stage}/loss", loss, prog_bar=stage != "test")
+        self.log(f"{stage}/accuracy", metric, prog_bar=True)
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(dim=1)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        # Cosine decay to zero: late QAT phases (observer and BatchNorm freeze) run at a small step size.
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class DigitsClassifier(ClassifierModule):
+    """The embedded default model: :class:`DigitsCNN` as ``self.net``.
+
+    Example::
+
+        model = DigitsClassifier()
+        trainer = Trainer(max_epochs=6, callbacks=[QuantizationAwareTraining(modules=["net"])])
+        trainer.fit(model, datamodule=DigitsDataModule())
+    """
+
+    def __init__(self, channels: tuple[int, int, int] = (16, 32, 64), lr: float = 1e-2, weight_decay: float = 0.0) -> None:
+        super().__init__(DigitsCNN(tuple(channels)), lr=lr, weight_decay=weight_decay)
+        self.save_hyperparameters()
+        self.example_input_array = torch.zeros(1, 1, 8, 8)

@@ -1,0 +1,116 @@
+"""One registry of recipes feeding `qlightning train recipe=...` and `qlightning recipes ...`.
+
+A recipe is a YAML file of config values (no code): shipped ones live in ``recipes/`` (the
+``qlightning.recipes`` package), other installed packages add theirs through the entry point
+group ``qlightning.recipes`` (value: an importable package holding ``*.yaml`` files), and any
+file path works too. Every recipe is checked as data before Hydra sees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.resources
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from qlightning.config.allowlist import check_class_paths
+from qlightning.config.schema import SCHEMA_VERSION
+from qlightning.errors import ConfigError
+
+ENTRY_POINT_GROUP = "qlightning.recipes"
+# Keys a recipe may not set: they would widen the allowlist or reach into Hydra itself
+# (hydra.callbacks and hydra.job.env_set can run code or change the environment).
+FORBIDDEN_KEYS = ("trusted_modules", "hydra", "defaults")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    path: Path
+    origin: str  # "qlightning", the providing package, or "file"
+
+    @property
+    def text(self) -> str:
+        return self.path.read_text()
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+    @property
+    def command(self) -> str:
+        first = self.text.splitlines()[0] if self.text else ""
+        return first.lstrip("# ").strip()
+
+
+def _yaml_files(package: str) -> list[Path]:
+    try:
+        root = importlib.resources.files(package)
+    except (ModuleNotFoundError, TypeError):
+        return []
+    return sorted(Path(str(p)) for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def discover() -> dict[str, Recipe]:
+    """All recipes by name: shipped ones, then those of installed packages (first one wins)."""
+    found: dict[str, Recipe] = {}
+    for path in _yaml_files("qlightning.recipes"):
+        found.setdefault(path.stem, Recipe(path.stem, path, "qlightning"))
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        for path in _yaml_files(ep.value):
+            found.setdefault(path.stem, Recipe(path.stem, path, ep.dist.name if ep.dist else ep.value))
+    return found
+
+
+def find(name_or_path: str) -> Recipe:
+    """A recipe by registered name or by path to a YAML file."""
+    recipes = discover()
+    if name_or_path in recipes:
+        return recipes[name_or_path]
+    path = Path(name_or_path).expanduser()
+    if path.suffix in (".yaml", ".yml") or "/" in name_or_path:
+        if not path.is_file():
+            raise ConfigError(f"recipe={name_or_path!r}: no such file")
+        return Recipe(path.stem, path.resolve(), "file")
+    raise ConfigError(f"recipe={name_or_path!r}: unknown recipe; available: {sorted(recipes)} (or give a path to a .yaml file)")
+
+
+def load(recipe: Recipe, user_trusted: Iterable[str] = ()) -> DictConfig:
+    """Parse and check a recipe as data; every problem is reported in one :class:`ConfigError`."""
+    where = f"recipe {recipe.name!r} ({recipe.path})"
+    try:
+        node = OmegaConf.create(recipe.text)
+    except Exception as exc:  # yaml.YAMLError and OmegaConf's own errors
+        raise ConfigError(f"{where}: not valid YAML: {exc}") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{where}: a recipe must be a mapping of config keys, got {type(node).__name__}")
+    errors = [f"{where}: sets {key!r}, which a recipe may not set" for key in FORBIDDEN_KEYS if key in node]
+    errors += check_class_paths(node, user_trusted, source=where)
+    version = node.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        errors.append(
+            f"{where}: schema_version={version!r}, this qlightning reads schema_version {SCHEMA_VERSION}"
+            + (" (version 1 is the first schema; nothing older exists)" if isinstance(version, int) and version < 1 else "")
+        )
+    if errors:
+        raise ConfigError(errors)
+    return node
+
+
+def provenance(recipe: Optional[Recipe]) -> dict[str, Any]:
+    """Versions of the libraries that shape a quantized model, plus the recipe's identity."""
+    versions = {}
+    for dist in ("torch", "lightning", "torchao", "qlightning", "hydra-core"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    info: dict[str, Any] = {"versions": versions, "recipe": None}
+    if recipe is not None:
+        info["recipe"] = {"name": recipe.name, "origin": recipe.origin, "path": str(recipe.path), "sha256": recipe.sha256}
+    return info

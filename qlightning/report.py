@@ -1,0 +1,225 @@
+"""Float vs fake-quant vs int8: quality on the test set, size on disk, latency.
+
+"fp32" is the trained model with every fake-quant switched off (the same weights in float), so
+the gap to "int8" is what quantization costs; "fake_quant" is what training and validation saw.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import logging
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from qlightning.callbacks.qat import QuantizationAwareTraining, _set_submodule
+from qlightning.engines.base import Inputs
+from qlightning.schedule import Phase
+
+VARIANTS = ("fp32", "fake_quant", "int8")
+
+
+def state_dict_bytes(module: nn.Module, skip: Iterable[str] = ()) -> int:
+    """Serialized size of a module's state dict, leaving out the keys in ``skip``."""
+    skip = set(skip)
+    buffer = io.BytesIO()
+    torch.save({k: v for k, v in module.state_dict().items() if k not in skip}, buffer)
+    return buffer.getbuffer().nbytes
+
+
+@contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Silence Lightning's per-Trainer banners (GPU/TPU available, tips) for the report's evaluations."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextmanager
+def swapped(pl_module: pl.LightningModule, modules: dict[str, nn.Module]) -> Iterator[None]:
+    """Temporarily put other versions of submodules into the LightningModule."""
+    originals = {name: pl_module.get_submodule(name) for name in modules}
+    try:
+        for name, module in modules.items():
+            _set_submodule(pl_module, name, module)
+        yield
+    finally:
+        for name, module in originals.items():
+            _set_submodule(pl_module, name, module)
+
+
+def variants(callback: QuantizationAwareTraining, pl_module: pl.LightningModule) -> dict[str, dict[str, nn.Module]]:
+    """The fp32, fake-quant and int8 versions of every quantized submodule."""
+    fake = {name: callback.fake_quant_modules[name] for name in callback.targets}
+    fp32 = {}
+    for name, module in fake.items():
+        fp32[name] = copy.deepcopy(module).eval()
+        callback.engine.set_phase(fp32[name], Phase(fake_quant=False, observe=False, bn_frozen=True))
+    for module in fake.values():
+        callback.engine.set_observers(module, False)
+    return {"fp32": fp32, "fake_quant": fake, "int8": {n: pl_module.get_submodule(n) for n in callback.targets}}
+
+
+def _tile(value: Any, batch: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        reps = -(-batch // value.shape[0])
+        return value.repeat(reps, *([1] * (value.dim() - 1)))[:batch]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_tile(v, batch) for v in value)
+    if isinstance(value, dict):
+        return {k: _tile(v, batch) for k, v in value.items()}
+    return value
+
+
+def median_latency_ms(module: nn.Module, inputs: Inputs, repeats: int, warmup: int = 5) -> float:
+    """Median wall time of one forward, in milliseconds."""
+    times = []
+    with torch.inference_mode():
+        for i in range(warmup + repeats):
+            start = time.perf_counter()
+            module(*inputs.args, **inputs.kwargs)
+            if i >= warmup:
+                times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def evaluate(
+    trainer_factory: Callable[[], pl.Trainer],
+    pl_module: pl.LightningModule,
+    datamodule: Any,
+    versions: dict[str, dict[str, nn.Module]],
+) -> tuple[dict[str, dict[str, float]], dict[str, Inputs]]:
+    """Run ``trainer.test`` once per variant; returns metrics per variant and real test inputs per target."""
+    metrics: dict[str, dict[str, float]] = {}
+    seen: dict[str, Inputs] = {}
+    for variant, modules in versions.items():
+        handles = []
+        if not seen:
+            for name, module in modules.items():
+                def grab(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+                    seen.setdefault(name, Inputs(tuple(a.detach() if torch.is_tensor(a) else a for a in args), dict(kwargs)))
+                handles.append(module.register_forward_pre_hook(grab, with_kwargs=True))
+        try:
+            with swapped(pl_module, modules), quiet_lightning():
+                results = trainer_factory().test(pl_module, datamodule=datamodule, verbose=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        logged = results[0] if results else {}
+        metrics[variant] = {key.split("/", 1)[-1].removeprefix("test_"): float(value) for key, value in logged.items()}
+    return metrics, seen
+
+
+def build_report(
+    callback: QuantizationAwareTraining,
+    pl_module: pl.LightningModule,
+    datamodule: Any,
+    trainer_factory: Callable[[], pl.Trainer],
+    batch_size: int = 32,
+    repeats: int = 30,
+    threads: Optional[int] = None,
+) -> dict[str, Any]:
+    versions = variants(callback, pl_module)
+    metrics, seen = evaluate(trainer_factory, pl_module, datamodule, versions)
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        latency = {variant: 0.0 for variant in ("fp32", "int8")}
+        for name in callback.targets:
+            inputs = seen.get(name) or callback.inputs[name]
+            batch = Inputs(_tile(inputs.args, batch_size), _tile(inputs.kwargs, batch_size))
+            for variant in latency:
+                latency[variant] += median_latency_ms(versions[variant][name], batch, repeats)
+    finally:
+        torch.set_num_threads(old_threads)
+    # fp32 size: the float weights alone, without the observer / fake-quant state QAT added
+    size = {
+        "fp32": sum(
+            state_dict_bytes(m, skip=(n for n, _ in callback.engine.quant_state(m))) for m in versions["fp32"].values()
+        ),
+        "int8": sum(state_dict_bytes(m) for m in versions["int8"].values()),
+    }
+    return {
+        "modules": list(callback.targets),
+        "engine": callback.engine.name,
+        "backend": callback.backend,
+        "metrics": metrics,
+        "size_bytes": size,
+        "latency_ms": {k: round(v, 4) for k, v in latency.items()},
+        "latency_batch_size": batch_size,
+        "latency_threads": threads or old_threads,
+    }
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    metric_names = sorted({k for m in report["metrics"].values() for k in m})
+    lines = [
+        f"# qlightning report",
+        "",
+        f"Quantized modules: {', '.join(report['modules'])} · engine {report['engine']} · backend {report['backend']}",
+        "",
+        "| | " + " | ".join(metric_names) + " | size (KiB) | latency (ms, batch "
+        + f"{report['latency_batch_size']}, {report['latency_threads']} threads) |",
+        "|---|" + "---|" * (len(metric_names) + 2),
+    ]
+    for variant in VARIANTS:
+        values = report["metrics"].get(variant, {})
+        cells = [f"{values[m]:.4f}" if m in values else "" for m in metric_names]
+        size = report["size_bytes"].get(variant)
+        lat = report["latency_ms"].get(variant)
+        cells.append(f"{size / 1024:.1f}" if size is not None else "(as fp32)")
+        cells.append(f"{lat:.3f}" if lat is not None else "(as fp32)")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    fp32, int8 = report["size_bytes"]["fp32"], report["size_bytes"]["int8"]
+    lat = report["latency_ms"]
+    lines += [
+        "",
+        f"int8 is {fp32 / int8:.2f}x smaller and {lat['fp32'] / lat['int8']:.2f}x faster than fp32 "
+        f"(median of repeats). Wall time of the run: {report.get('wall_s', float('nan')):.1f} s.",
+        "",
+        "fp32 = the trained weights with quantization switched off; fake_quant = what training and validation saw.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict[str, Any], run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    (run_dir / "report.md").write_text(to_markdown(report))
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    metric_names = sorted({k for m in report["metrics"].values() for k in m})
+    table = Table(title=f"qlightning · {report['engine']} · {report['backend']}")
+    table.add_column("model")
+    for m in metric_names:
+        table.add_column(m, justify="right")
+    table.add_column("size KiB", justify="right")
+    table.add_column(f"ms/batch {report['latency_batch_size']}", justify="right")
+    for variant in VARIANTS:
+        values = report["metrics"].get(variant, {})
+        size = report["size_bytes"].get(variant)
+        lat = report["latency_ms"].get(variant)
+        table.add_row(
+            variant,
+            *[f"{values[m]:.4f}" if m in values else "" for m in metric_names],
+            f"{size / 1024:.1f}" if size is not None else "",
+            f"{lat:.3f}" if lat is not None else "",
+        )
+    Console().print(table)

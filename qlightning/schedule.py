@@ -1,0 +1,154 @@
+"""The QAT schedule: which quantization phase holds at a given (global step, epoch).
+
+The phase is a pure function of training progress, so a run resumed from any checkpoint is in
+exactly the phase the uninterrupted run was in at that point. Nothing here touches torch.ao.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+from qlightning.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Milestone:
+    """A point in training, given in optimizer steps *or* epochs (exactly one of them).
+
+    ``Milestone(epoch=2)`` is reached when the third epoch starts; ``Milestone(step=150)`` when the
+    150th optimizer step is about to run (global step 150, counting from 0).
+    """
+
+    epoch: Optional[int] = None
+    step: Optional[int] = None
+
+    def reached(self, global_step: int, epoch: int) -> bool:
+        if self.step is not None:
+            return global_step >= self.step
+        return epoch >= self.epoch  # type: ignore[operator]
+
+    def __str__(self) -> str:
+        return f"step {self.step}" if self.step is not None else f"epoch {self.epoch}"
+
+
+MilestoneLike = Union[Milestone, Mapping[str, Any], None]
+
+
+def to_milestone(value: Any, key: str, errors: list[str]) -> Optional[Milestone]:
+    """Read ``None``, a :class:`Milestone` or a mapping ``{"epoch": N}`` / ``{"step": N}``.
+
+    Problems are appended to ``errors`` (naming ``key``) so every bad value is reported at once.
+    """
+    if value is None or isinstance(value, Milestone):
+        fields = {} if value is None else {"epoch": value.epoch, "step": value.step}
+    elif isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"epoch", "step"})
+        if unknown:
+            errors.append(f"{key}: unknown field(s) {unknown}; a milestone has 'epoch' or 'step'")
+            return None
+        fields = dict(value)
+    else:
+        errors.append(
+            f"{key}={value!r}: expected a milestone such as {{epoch: 2}} or {{step: 100}}, or null for never"
+        )
+        return None
+    epoch, step = fields.get("epoch"), fields.get("step")
+    if epoch is None and step is None:
+        return None
+    if epoch is not None and step is not None:
+        errors.append(f"{key}: give either 'epoch' ({epoch}) or 'step' ({step}), not both")
+        return None
+    unit, count = ("epoch", epoch) if epoch is not None else ("step", step)
+    if isinstance(count, bool) or not isinstance(count, int):
+        errors.append(f"{key}.{unit}={count!r}: must be an integer")
+        return None
+    if count < 0:
+        errors.append(f"{key}.{unit}={count}: must be >= 0")
+        return None
+    return Milestone(epoch=epoch, step=step)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What the quantization machinery does right now.
+
+    Attributes:
+        fake_quant: forward passes see quantized numerics (weights and activations).
+        observe: observers update their statistics (and hence scales / zero points).
+        bn_frozen: BatchNorm running statistics are frozen (fused QAT modules use them).
+    """
+
+    fake_quant: bool
+    observe: bool
+    bn_frozen: bool
+
+    def describe(self) -> str:
+        return (
+            f"fake-quant {'on' if self.fake_quant else 'off'}, observers {'on' if self.observe else 'frozen'}, "
+            f"BN stats {'frozen' if self.bn_frozen else 'updating'}"
+        )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Fake-quant start, observer freeze and BatchNorm freeze milestones.
+
+    ``None`` means: fake-quant from the very first step, observers never frozen, BN never frozen.
+    Observers run during the float warm-up (before fake-quant starts) so that the first fake-quant
+    step already has calibrated scales.
+
+    Example::
+
+        Schedule(fake_quant_start=Milestone(epoch=2), observer_freeze=Milestone(epoch=5))
+    """
+
+    fake_quant_start: Optional[Milestone] = None
+    observer_freeze: Optional[Milestone] = None
+    bn_freeze: Optional[Milestone] = None
+
+    @classmethod
+    def from_config(
+        cls,
+        fake_quant_start: MilestoneLike = None,
+        observer_freeze: MilestoneLike = None,
+        bn_freeze: MilestoneLike = None,
+        *,
+        prefix: str = "schedule",
+        errors: Optional[list[str]] = None,
+    ) -> "Schedule":
+        """Build a schedule from milestone-like values, collecting every problem before raising."""
+        own_errors: list[str] = [] if errors is None else errors
+        schedule = cls(
+            to_milestone(fake_quant_start, f"{prefix}.fake_quant_start", own_errors),
+            to_milestone(observer_freeze, f"{prefix}.observer_freeze", own_errors),
+            to_milestone(bn_freeze, f"{prefix}.bn_freeze", own_errors),
+        )
+        schedule.check_order(own_errors, prefix)
+        if errors is None and own_errors:
+            raise ConfigError(own_errors)
+        return schedule
+
+    def check_order(self, errors: list[str], prefix: str = "schedule") -> None:
+        """Observers must not freeze before fake-quant starts (their scales would never be trained on)."""
+        start, freeze = self.fake_quant_start, self.observer_freeze
+        if start is None or freeze is None:
+            return
+        same_unit = (start.step is None) == (freeze.step is None)
+        if same_unit and (freeze.step or freeze.epoch or 0) < (start.step or start.epoch or 0):
+            errors.append(
+                f"{prefix}.observer_freeze ({freeze}) comes before {prefix}.fake_quant_start ({start}): "
+                "observers must keep running at least until fake-quant starts"
+            )
+
+    def phase(self, global_step: int, epoch: int) -> Phase:
+        """The phase for the training step about to run at ``global_step`` in ``epoch``."""
+
+        def reached(milestone: Optional[Milestone], default: bool) -> bool:
+            return default if milestone is None else milestone.reached(global_step, epoch)
+
+        return Phase(
+            fake_quant=reached(self.fake_quant_start, True),
+            observe=not reached(self.observer_freeze, False),
+            bn_frozen=reached(self.bn_freeze, False),
+        )

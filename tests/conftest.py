@@ -1,0 +1,57 @@
+"""Shared fixtures: small real training runs on scikit-learn's digits."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from qlightning import QuantizationAwareTraining
+from qlightning.examples import DigitsClassifier, DigitsDataModule
+
+torch.set_num_threads(2)
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+DEFAULT_SCHEDULE = dict(fake_quant_start={"epoch": 3}, observer_freeze={"epoch": 6}, bn_freeze={"epoch": 6})
+
+
+def make_trainer(callbacks, max_epochs: int = 8, **kwargs) -> pl.Trainer:
+    kwargs.setdefault("logger", False)
+    kwargs.setdefault("enable_checkpointing", False)
+    return pl.Trainer(
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        **kwargs,
+    )
+
+
+def test_accuracy(module, dm: DigitsDataModule) -> float:
+    """Top-1 accuracy of ``module`` (a net, not a LightningModule) on the digits test split."""
+    dm.setup()
+    x, y = dm.splits["test"].tensors
+    with torch.no_grad():
+        return (module(x).argmax(1) == y).float().mean().item()
+
+
+test_accuracy.__test__ = False  # a helper, not a test
+
+
+@pytest.fixture(scope="session")
+def trained_qat():
+    """One full default-schedule QAT run (8 epochs) shared by the tests that only read its result."""
+    pl.seed_everything(0)
+    dm = DigitsDataModule(seed=0)
+    model = DigitsClassifier()
+    qat = QuantizationAwareTraining(modules=["net"], backend="x86", **DEFAULT_SCHEDULE)
+    trainer = make_trainer([qat])
+    trainer.fit(model, datamodule=dm)
+    return trainer, model, dm, qat

@@ -1,0 +1,277 @@
+"""The QuantizationAwareTraining callback on the FX engine, trained for real on digits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from conftest import DEFAULT_SCHEDULE, make_trainer, test_accuracy
+from qlightning import ConfigError, Phase, QLightningError, QuantizationAwareTraining
+from qlightning.examples import DigitsClassifier, DigitsDataModule
+from qlightning.examples.digits import ClassifierModule, DigitsCNN
+
+
+def quant_buffers(qat: QuantizationAwareTraining, model: pl.LightningModule) -> dict[str, torch.Tensor]:
+    return {
+        f"{name}.{key}": value.clone()
+        for name in qat.targets
+        for key, value in qat.engine.quant_state(model.get_submodule(name))
+    }
+
+
+def assert_equal(x, y, key: str) -> None:
+    if isinstance(x, torch.Tensor):
+        if x.is_quantized:
+            assert torch.equal(x.int_repr(), y.int_repr()), key
+            assert torch.equal(x.dequantize(), y.dequantize()), key
+        else:
+            assert torch.equal(x, y), key
+    elif isinstance(x, (tuple, list)):
+        assert len(x) == len(y), key
+        for i, (u, v) in enumerate(zip(x, y)):
+            assert_equal(u, v, f"{key}[{i}]")
+    else:
+        assert x == y, key
+
+
+def assert_state_dicts_equal(a: dict, b: dict) -> None:
+    """Tensor by tensor (int8 values and scales of quantized tensors included)."""
+    assert a.keys() == b.keys()
+    for key in a:
+        assert_equal(a[key], b[key], key)
+
+
+def test_int8_keeps_float_accuracy_and_agrees_with_fake_quant(trained_qat):
+    trainer, model, dm, qat = trained_qat
+    assert qat.converted
+    int8_acc = trainer.test(model, datamodule=dm, verbose=False)[0]["test/accuracy"]
+    fake = qat.fake_quant_modules["net"]
+    fp32 = __import__("copy").deepcopy(fake)
+    qat.engine.set_phase(fp32, Phase(fake_quant=False, observe=False, bn_frozen=True))
+    fp32_acc = test_accuracy(fp32, dm)
+    assert int8_acc >= fp32_acc - 0.005, (int8_acc, fp32_acc)
+    assert int8_acc > 0.95
+    x, _ = dm.splits["test"].tensors
+    with torch.no_grad():
+        agreement = (fake(x).argmax(1) == model.net(x).argmax(1)).float().mean().item()
+    assert agreement >= 0.99
+
+
+def test_submodule_is_replaced_by_a_lowered_int8_module(trained_qat):
+    _, model, _, _ = trained_qat
+    import torch.ao.nn.intrinsic.quantized as nniq
+    import torch.ao.nn.quantized as nnq
+
+    assert sum(isinstance(m, nniq.ConvReLU2d) for m in model.net.modules()) == 3
+    assert sum(isinstance(m, nnq.Linear) for m in model.net.modules()) == 1
+    assert not any(p.dtype.is_floating_point for p in model.net.parameters())
+
+
+@pytest.mark.parametrize("resume_epoch", [1, 3, 6], ids=["before-fake-quant", "fake-quant-observing", "after-freeze"])
+def test_resume_from_checkpoint_gives_the_same_int8_model(tmp_path, resume_epoch):
+    def run(ckpt_path=None, save=False):
+        pl.seed_everything(0)
+        model = DigitsClassifier()
+        qat = QuantizationAwareTraining(modules=["net"], **DEFAULT_SCHEDULE)
+        callbacks = [qat]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
+        trainer = make_trainer(callbacks, enable_checkpointing=save)
+        trainer.fit(model, datamodule=DigitsDataModule(seed=0), ckpt_path=ckpt_path)
+        return model
+
+    uninterrupted = run(save=True)
+    ckpt = tmp_path / f"epoch={resume_epoch}.ckpt"
+    # the checkpoint is plain data and its keys are exactly the prepared model's
+    state = torch.load(ckpt, weights_only=True)
+    resumed = run(ckpt_path=str(ckpt))  # Lightning loads strictly: missing/unexpected keys would raise
+    assert state["callbacks"]
+    assert_state_dicts_equal(uninterrupted.net.state_dict(), resumed.net.state_dict())
+
+
+def test_learnable_qparams_are_optimized():
+    from torch.ao.quantization import MovingAverageMinMaxObserver, QConfig, QConfigMapping
+    from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
+
+    act = _LearnableFakeQuantize.with_args(
+        observer=MovingAverageMinMaxObserver, quant_min=0, quant_max=255, dtype=torch.quint8,
+        qscheme=torch.per_tensor_affine, scale=0.1, zero_point=0.0, use_grad_scaling=True,
+    )
+    weight = _LearnableFakeQuantize.with_args(
+        observer=MovingAverageMinMaxObserver, quant_min=-128, quant_max=127, dtype=torch.qint8,
+        qscheme=torch.per_tensor_symmetric, scale=0.1, zero_point=0.0, use_grad_scaling=True,
+    )
+    mapping = QConfigMapping().set_global(QConfig(activation=act, weight=weight))
+    pl.seed_everything(0)
+    model = DigitsClassifier()
+    qat = QuantizationAwareTraining(
+        modules=["net"], qconfig_mapping=mapping, fake_quant_start={"epoch": 1}, observer_freeze={"epoch": 2},
+        convert_on_fit_end=False,
+    )
+    snapshots = {}
+
+    class AtFreeze(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 2:
+                snapshots.update({n: p.detach().clone() for n, p in pl_module.net.named_parameters() if n.endswith("scale")})
+
+    trainer = make_trainer([qat, AtFreeze()], max_epochs=4)
+    trainer.fit(model, datamodule=DigitsDataModule(seed=0))
+    scales = {n: p for n, p in model.net.named_parameters() if n.endswith("scale")}
+    assert scales, "the learnable fake-quants should own scale parameters"
+    optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert all(id(p) in optimized for p in scales.values())
+    moved = [n for n, p in scales.items() if not torch.equal(p.detach(), snapshots[n])]
+    assert len(moved) >= len(scales) // 2, f"only {moved} of {list(scales)} moved after the observers froze"
+
+
+def test_validate_test_and_predict_leave_observers_untouched():
+    pl.seed_everything(0)
+    model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 1}, convert_on_fit_end=False)
+    trainer = make_trainer([qat], max_epochs=2)
+    trainer.fit(model, datamodule=dm)
+    before = quant_buffers(qat, model)
+    trainer.validate(model, datamodule=dm, verbose=False)
+    trainer.test(model, datamodule=dm, verbose=False)
+    trainer.predict(model, datamodule=dm)
+    after = quant_buffers(qat, model)
+    assert_state_dicts_equal(before, after)
+    # fake-quant stays on for evaluation: validation measured quantized numerics
+    assert all(bool(m.fake_quant_enabled[0]) for m in model.net.modules() if hasattr(m, "fake_quant_enabled"))
+
+
+def test_observe_stages_lets_validation_calibrate():
+    pl.seed_everything(0)
+    model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
+    qat = QuantizationAwareTraining(modules=["net"], observe_stages=["train", "validate"], convert_on_fit_end=False)
+    trainer = make_trainer([qat], max_epochs=1)
+    trainer.fit(model, datamodule=dm)
+    before = quant_buffers(qat, model)
+    trainer.validate(model, datamodule=dm, verbose=False)
+    after = quant_buffers(qat, model)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+class CountingClassifier(DigitsClassifier):
+    steps = 0
+
+    def training_step(self, batch, batch_idx):
+        type(self).steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+def test_unknown_submodule_fails_before_training_and_lists_choices():
+    CountingClassifier.steps = 0
+    qat = QuantizationAwareTraining(modules=["nett", "net.features.9"])
+    with pytest.raises(ConfigError) as err:
+        make_trainer([qat], max_epochs=1).fit(CountingClassifier(), datamodule=DigitsDataModule())
+    text = str(err.value)
+    assert "no submodule 'nett'" in text and "closest: ['net'" in text and "top-level submodules: ['net', 'metrics']" in text
+    assert "no submodule 'net.features.9'" in text  # both problems at once
+    assert CountingClassifier.steps == 0
+
+
+def test_bad_arguments_are_all_reported_at_construction():
+    with pytest.raises(ConfigError) as err:
+        QuantizationAwareTraining(
+            modules=["net"], backend="tensorrt", engine="onnx", fake_quant_start={"epoch": 4},
+            observer_freeze={"epoch": 2}, bn_freeze={"step": -1}, observe_stages=["training"],
+        )
+    text = str(err.value)
+    for fragment in (
+        "backend='tensorrt': unknown backend; valid choices: ['x86', 'fbgemm', 'qnnpack', 'onednn']",
+        "engine='onnx': unknown engine; valid choices: ['fx', 'pt2e']",
+        "observer_freeze (epoch 2) comes before schedule.fake_quant_start (epoch 4)",
+        "schedule.bn_freeze.step=-1: must be >= 0",
+        "observe_stages=['training']",
+    ):
+        assert fragment in text
+    with pytest.raises(ConfigError, match="observer_freeze .step 0.: must be positive"):
+        QuantizationAwareTraining(observer_freeze={"step": 0})
+
+
+class LazyClassifier(ClassifierModule):
+    """Builds its network in ``configure_model``, as large-model code does."""
+
+    def __init__(self):
+        super().__init__(nn.Identity())
+        self.example_input_array = torch.zeros(1, 1, 8, 8)
+
+    def configure_model(self):
+        if isinstance(self.net, nn.Identity):
+            self.net = DigitsCNN()
+
+
+def test_submodules_built_in_configure_model_are_prepared():
+    pl.seed_everything(0)
+    model = LazyClassifier()
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 2})
+    trainer = make_trainer([qat], max_epochs=4)
+    trainer.fit(model, datamodule=DigitsDataModule(seed=0))
+    assert qat.converted and any(isinstance(m, torch.ao.nn.quantized.Linear) for m in model.net.modules())
+    assert trainer.test(model, datamodule=DigitsDataModule(seed=0), verbose=False)[0]["test/accuracy"] > 0.9
+
+
+class NoExampleClassifier(DigitsClassifier):
+    def __init__(self):
+        super().__init__()
+        self.example_input_array = None
+
+
+def test_example_inputs_come_from_a_training_batch_when_the_model_has_none():
+    qat = QuantizationAwareTraining(modules=["net.features", "net.classifier"], convert_on_fit_end=False)
+    model = NoExampleClassifier()
+    make_trainer([qat], max_epochs=1, limit_train_batches=2, limit_val_batches=1).fit(model, datamodule=DigitsDataModule())
+    assert qat.inputs["net.features"].args[0].shape == (64, 1, 8, 8)
+    assert qat.inputs["net.classifier"].args[0].shape == (64, 64)
+
+
+def test_missing_example_inputs_is_a_clear_error():
+    qat = QuantizationAwareTraining(modules=["net"])
+    model = NoExampleClassifier()
+    with pytest.raises(ConfigError, match="could not find inputs for \\['net'\\]"):
+        qat.prepare(model)  # no trainer, no example_input_array, nothing configured
+
+
+def test_fit_twice_without_converting_then_convert():
+    pl.seed_everything(0)
+    model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 0}, convert_on_fit_end=False)
+    make_trainer([qat], max_epochs=1).fit(model, datamodule=dm)
+    prepared = model.net
+    make_trainer([qat], max_epochs=2).fit(model, datamodule=dm)
+    assert model.net is prepared, "a second fit must not prepare again"
+    qat.convert(model)
+    assert qat.converted and test_accuracy(model.net, dm) > 0.8
+    with pytest.raises(QLightningError, match="already converted"):
+        make_trainer([qat], max_epochs=3).fit(model, datamodule=dm)
+
+
+@pytest.mark.parametrize("backend", ["qnnpack", "onednn", "fbgemm"])
+def test_other_backends_convert_and_run(backend):
+    pl.seed_everything(0)
+    model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
+    qat = QuantizationAwareTraining(modules=["net"], backend=backend, fake_quant_start={"epoch": 1})
+    make_trainer([qat], max_epochs=3).fit(model, datamodule=dm)
+    torch.backends.quantized.engine = backend
+    assert test_accuracy(model.net, dm) > 0.9
+
+
+def test_fx_engine_missing_gives_a_clear_error_and_import_still_works():
+    code = (
+        "import sys; sys.modules['torch.ao.quantization.quantize_fx'] = None\n"
+        "import qlightning\n"
+        "qat = qlightning.QuantizationAwareTraining(modules=['net'])\n"
+        "try:\n    qlightning.get_engine('fx')\nexcept qlightning.EngineUnavailableError as e:\n    print('ERR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ERR quant.engine='fx' needs torch.ao FX graph mode quantization" in out.stdout
+    assert "use quant.engine=pt2e" in out.stdout
