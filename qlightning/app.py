@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from qlightning import report as reporting
+from qlightning.engines import Inputs
 from qlightning.config.build import build_callback, check_targets, instantiate_checked
 from qlightning.errors import ConfigError
 
@@ -24,13 +25,22 @@ def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
     return kwargs
 
 
-def save_int8(module: torch.nn.Module, path: Path) -> Optional[str]:
-    """TorchScript of an int8 submodule, loadable with ``torch.jit.load`` without qlightning."""
+def save_int8(module: torch.nn.Module, path: Path, inputs: Inputs) -> Optional[str]:
+    """TorchScript of an int8 submodule, loadable with ``torch.jit.load`` without qlightning.
+
+    Scripted when possible, else traced on the captured example inputs (FX-generated code
+    carries annotations TorchScript cannot parse). Returns a problem description or ``None``.
+    """
     try:
-        torch.jit.save(torch.jit.script(module), str(path))
-        return None
-    except Exception as exc:  # not every converted graph scripts; say so instead of failing the run
-        return f"{type(exc).__name__}: {exc}"
+        scripted = torch.jit.script(module)
+    except Exception:
+        try:
+            with torch.no_grad():
+                scripted = torch.jit.trace(module, inputs.args, check_trace=False)
+        except Exception as exc:  # say so in the report instead of failing the whole run
+            return f"{type(exc).__name__}: {exc}"
+    torch.jit.save(scripted, str(path))
+    return None
 
 
 def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -74,7 +84,7 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
         result["int8_models"] = {}
         for name in callback.targets:
             path = run_dir / f"int8_{name}.pt"
-            problem = save_int8(model.get_submodule(name), path)
+            problem = save_int8(model.get_submodule(name), path, callback.inputs[name])
             result["int8_models"][name] = str(path) if problem is None else f"not saved: {problem}"
         if cfg.report.enabled:
 

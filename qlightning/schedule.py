@@ -57,7 +57,10 @@ def to_milestone(value: Any, key: str, errors: list[str]) -> Optional[Milestone]
     if epoch is None and step is None:
         return None
     if epoch is not None and step is not None:
-        errors.append(f"{key}: give either 'epoch' ({epoch}) or 'step' ({step}), not both")
+        errors.append(
+            f"{key}: give either 'epoch' ({epoch}) or 'step' ({step}), not both; set the other to null, "
+            f"e.g. {{step: {step}, epoch: null}}"
+        )
         return None
     unit, count = ("epoch", epoch) if epoch is not None else ("step", step)
     if isinstance(count, bool) or not isinstance(count, int):

@@ -1,0 +1,91 @@
+"""`qlightning recipes list | show NAME | validate NAME|PATH | cp NAME DEST | diff A B`."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import shutil
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from qlightning import recipes_registry
+from qlightning.errors import ConfigError
+
+
+def validate(name_or_path: str, overrides: Sequence[str] = ()) -> list[str]:
+    """Every problem of a recipe, without training: schema, allowlist, schedule, module names.
+
+    Builds the model (to check module names) but loads no data.
+    """
+    from qlightning.capture import resolve_targets
+    from qlightning.config.build import build_callback, check_targets, instantiate_checked
+    from qlightning.config.compose import compose_config
+
+    try:
+        cfg = compose_config(overrides, recipe=name_or_path)
+    except ConfigError as exc:
+        return exc.problems
+    errors = check_targets(cfg)
+    try:
+        build_callback(cfg)
+    except ConfigError as exc:
+        errors.extend(exc.problems)
+    if not errors:
+        try:
+            model = instantiate_checked(cfg.model, "model")
+            resolve_targets(model, list(cfg.quant.modules), key="quant.modules")
+        except ConfigError as exc:
+            errors.extend(exc.problems)
+    return errors
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="qlightning recipes", description="Shared recipes: list, show, validate, copy, diff.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="every recipe with where it comes from and the command that runs it")
+    show = sub.add_parser("show", help="print a recipe")
+    show.add_argument("recipe")
+    val = sub.add_parser("validate", help="check a recipe without training; exit 1 on any problem")
+    val.add_argument("recipe")
+    val.add_argument("overrides", nargs="*", help="extra Hydra overrides, as for `qlightning train`")
+    cp = sub.add_parser("cp", help="copy a recipe to a file you can edit")
+    cp.add_argument("recipe")
+    cp.add_argument("dest")
+    diff = sub.add_parser("diff", help="unified diff of two recipes")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    args = parser.parse_args(list(argv))
+    try:
+        if args.command == "list":
+            for name, recipe in sorted(recipes_registry.discover().items()):
+                print(f"{name:28s} {recipe.origin:12s} {recipe.command}")
+        elif args.command == "show":
+            print(recipes_registry.find(args.recipe).text, end="")
+        elif args.command == "validate":
+            problems = validate(args.recipe, args.overrides)
+            if problems:
+                print(f"{args.recipe}: {len(problems)} problem(s)", file=sys.stderr)
+                for p in problems:
+                    print(f"  - {p}", file=sys.stderr)
+                return 1
+            print(f"{args.recipe}: OK")
+        elif args.command == "cp":
+            recipe = recipes_registry.find(args.recipe)
+            dest = Path(args.dest)
+            if dest.is_dir():
+                dest = dest / recipe.path.name
+            if dest.exists():
+                print(f"qlightning recipes cp: {dest} exists; not overwriting", file=sys.stderr)
+                return 1
+            shutil.copyfile(recipe.path, dest)
+            print(f"copied {recipe.name} to {dest}; run it with: qlightning train recipe={dest}")
+        elif args.command == "diff":
+            a, b = recipes_registry.find(args.a), recipes_registry.find(args.b)
+            sys.stdout.writelines(
+                difflib.unified_diff(a.text.splitlines(True), b.text.splitlines(True), str(a.path), str(b.path))
+            )
+    except ConfigError as exc:
+        print(f"qlightning recipes: {exc}", file=sys.stderr)
+        return 2
+    return 0

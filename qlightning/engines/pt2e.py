@@ -1,0 +1,590 @@
+"""The PT2E engine: ``torch.export`` + torchao ``prepare_qat_pt2e`` / ``prepare_pt2e`` and ``convert_pt2e``.
+
+torchao is optional: importing this module never imports it; constructing :class:`Pt2eEngine`
+without torchao raises :class:`~qlightning.errors.EngineUnavailableError`.
+
+Three things differ from torchao's own helpers, on purpose:
+
+* ``train()`` / ``eval()``: an exported graph has no modules that know their mode, so the mode
+  lives in the arguments of the ``aten.dropout`` / ``aten.batch_norm`` nodes. torchao's
+  ``move_exported_model_to_train/eval`` rewrite them by pattern matching with ``ignore_literals``,
+  which resets every dropout probability to 0.5 (and re-exports the patterns on every call). Here
+  the prepared module's class gets a ``train()`` that flips the ``train``/``training`` flag of
+  those nodes in place, so each dropout keeps its own ``p`` and each BatchNorm its momentum and
+  eps. The class survives ``copy.deepcopy`` (``GraphModule.__deepcopy__`` keeps the type).
+* BatchNorm freezing: the batch_norm nodes run with ``training=False`` (normalize with the
+  running statistics, do not update them) while the rest of the model trains, exactly what
+  ``freeze_bn_stats`` does for torch.ao's fused ConvBn modules; the ``num_batches_tracked += 1``
+  nodes are neutralized too.
+* ``convert``: torchao's ``_fold_conv_bn_qat`` exports 96 small patterns with dynamo (4 conv
+  kinds x 12 variants x match/replacement), ~0.2 s each, whatever the model: ~20-30 s per
+  ``convert_pt2e``. The fold here builds only the variants that occur in the graph (conv kind,
+  per-channel or not, bias or not, BatchNorm training flag) and caches them per process; when a
+  QAT conv-bn pattern is left unfolded it falls back to torchao's full fold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import logging
+import warnings
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from qlightning.engines.base import Inputs, QuantEngine, QuantSpec
+from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
+from qlightning.schedule import Phase
+
+_STATE_KEY = "qlightning_pt2e"  # in GraphModule.meta (deep-copied with the module)
+
+# Keys that only the FX engine understands: (QuantSpec attribute or option, config key to name).
+_FX_ONLY = (
+    ("prepare_custom_config", "quant.prepare_custom_config"),
+    ("convert_custom_config", "quant.convert_custom_config"),
+    ("backend_config", "quant.backend_config"),
+)
+
+
+def load_torchao() -> SimpleNamespace:
+    """Import the torchao PT2E pieces the engine needs, or explain how to get them."""
+    torchao_logger = logging.getLogger("torchao")
+    level = torchao_logger.level
+    # torchao logs a warning for every optional CUDA kernel library it cannot load on a CPU build.
+    torchao_logger.setLevel(logging.ERROR)
+    try:
+        from torchao.quantization.pt2e import quantize_pt2e as quantize_pt2e_module
+        from torchao.quantization.pt2e.fake_quantize import FakeQuantizeBase
+        from torchao.quantization.pt2e.observer import ObserverBase
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, prepare_qat_pt2e
+        from torchao.quantization.pt2e.quantizer import Quantizer
+        from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+            X86InductorQuantizer,
+            get_default_x86_inductor_quantization_config,
+        )
+    except ImportError as exc:
+        raise EngineUnavailableError(
+            f"quant.engine='pt2e' needs torchao with PT2E quantization (torchao.quantization.pt2e), "
+            f"which could not be imported ({exc}). Install it with `pip install torchao` (a version "
+            f"matching torch {torch.__version__}), or use quant.engine=fx."
+        ) from exc
+    finally:
+        torchao_logger.setLevel(level)
+    # Quantizers written against torch.ao (older torchao / user code) use torch.ao's classes.
+    fake_quant_types: tuple[type, ...] = (FakeQuantizeBase,)
+    observer_types: tuple[type, ...] = (ObserverBase,)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torch.ao.quantization.fake_quantize import FakeQuantizeBase as AoFakeQuantizeBase
+            from torch.ao.quantization.observer import ObserverBase as AoObserverBase
+        fake_quant_types += (AoFakeQuantizeBase,)
+        observer_types += (AoObserverBase,)
+    except ImportError:  # pragma: no cover - torch without torch.ao.quantization
+        pass
+    return SimpleNamespace(
+        quantize_pt2e_module=quantize_pt2e_module,
+        convert_pt2e=convert_pt2e,
+        prepare_pt2e=prepare_pt2e,
+        prepare_qat_pt2e=prepare_qat_pt2e,
+        Quantizer=Quantizer,
+        X86InductorQuantizer=X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config=get_default_x86_inductor_quantization_config,
+        fake_quant_types=fake_quant_types,
+        observer_types=observer_types,
+    )
+
+
+# --------------------------------------------------------------------------- train / eval of graphs
+
+_aten = torch.ops.aten
+# ops whose (input, p, train) arguments carry the mode
+_DROPOUT_OPS = {
+    getattr(_aten, name).default
+    for name in (
+        "dropout",
+        "dropout_",
+        "feature_dropout",
+        "feature_dropout_",
+        "alpha_dropout",
+        "alpha_dropout_",
+        "feature_alpha_dropout",
+        "feature_alpha_dropout_",
+    )
+    if hasattr(_aten, name)
+}
+# ops whose (input, weight, bias, running_mean, running_var, training, momentum, eps, ...) carry the mode
+_BATCH_NORM_OPS = {_aten.batch_norm.default, _aten._native_batch_norm_legit.default}
+
+
+def _set_arg(node: torch.fx.Node, index: int, name: str, value: Any) -> bool:
+    """Set positional argument ``index`` (or keyword ``name``) of ``node``; return whether it changed."""
+    if len(node.args) > index:
+        if node.args[index] == value and type(node.args[index]) is type(value):
+            return False
+        args = list(node.args)
+        args[index] = value
+        node.args = tuple(args)
+        return True
+    if name in node.kwargs:
+        if node.kwargs[name] == value and type(node.kwargs[name]) is type(value):
+            return False
+        node.kwargs = {**node.kwargs, name: value}
+        return True
+    return False
+
+
+def _is_bn_counter(node: torch.fx.Node) -> bool:
+    """``num_batches_tracked.add_(1)``: the statistics counter of a training BatchNorm."""
+    return (
+        node.op == "call_function"
+        and node.target == _aten.add_.Tensor
+        and isinstance(node.args[0], torch.fx.Node)
+        and node.args[0].op == "get_attr"
+        and str(node.args[0].target).endswith("num_batches_tracked")
+    )
+
+
+def _graph_state(gm: torch.fx.GraphModule) -> dict[str, Any]:
+    return gm.meta.setdefault(_STATE_KEY, {"bn_frozen": False})
+
+
+def _rewrite_modes(gm: torch.fx.GraphModule, training: bool) -> None:
+    """Put dropout and BatchNorm nodes of ``gm`` (and nested graphs) in train or eval mode, in place."""
+    bn_training = training and not _graph_state(gm)["bn_frozen"]
+    for sub in gm.modules():
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        changed = False
+        for node in sub.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in _DROPOUT_OPS:
+                changed |= _set_arg(node, 2, "train", bool(training))
+            elif node.target in _BATCH_NORM_OPS:
+                changed |= _set_arg(node, 5, "training", bool(bn_training))
+            elif _is_bn_counter(node):
+                changed |= _set_arg(node, 1, "other", 1 if bn_training else 0)
+        if changed:
+            sub.recompile()
+
+
+class _ExportedTrainEval:
+    """Mixin for exported GraphModules: ``train()``/``eval()`` switch dropout and BatchNorm nodes."""
+
+    def train(self, mode: bool = True) -> nn.Module:  # type: ignore[override]
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        _rewrite_modes(self, mode)  # type: ignore[arg-type]
+        return nn.Module.train(self, mode)  # type: ignore[arg-type]
+
+    def eval(self) -> nn.Module:  # type: ignore[override]
+        return self.train(False)
+
+
+_TRAIN_EVAL_CLASSES: dict[type, type] = {}
+
+
+def _install_train_eval(gm: torch.fx.GraphModule, training: bool) -> torch.fx.GraphModule:
+    """Give ``gm`` a class whose ``train()/eval()`` work (export and torchao make them raise)."""
+    for attr in ("train", "eval"):  # instance overrides set by ExportedProgram.module() / convert_pt2e
+        gm.__dict__.pop(attr, None)
+    if not isinstance(gm, _ExportedTrainEval):
+        # GraphModule gives every instance its own class "GraphModuleImpl" (holding forward and
+        # __call__) under the user-visible class; put ours between them and rebuild the instance
+        # class the same way, so deepcopy (GraphModule.__new__) keeps it.
+        base = next(c for c in type(gm).__mro__ if c.__qualname__.split(".")[-1] != "GraphModuleImpl")
+        if base not in _TRAIN_EVAL_CLASSES:
+            _TRAIN_EVAL_CLASSES[base] = type(f"Pt2e{base.__name__.lstrip('_')}", (_ExportedTrainEval, base), {})
+        gm.__class__ = type("GraphModuleImpl", (_TRAIN_EVAL_CLASSES[base],), {})
+        gm.recompile()
+    _graph_state(gm)
+    gm.train(training)
+    return gm
+
+
+# --------------------------------------------------------------------------- observers
+
+def _observer_passthrough(x: Any, *args: Any, **kwargs: Any) -> Any:
+    """Forward of a switched-off plain observer (PTQ): the input, unobserved."""
+    return x
+
+
+def _set_plain_observer(observer: nn.Module, enabled: bool) -> None:
+    if enabled:
+        observer.__dict__.pop("forward", None)
+    else:
+        observer.forward = _observer_passthrough  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- fast conv-bn fold
+
+_PATTERN_CACHE: dict[tuple[Any, ...], torch.fx.GraphModule] = {}
+
+
+def _conv_variants(m: torch.fx.GraphModule) -> set[tuple[Callable, bool, bool, bool, bool]]:
+    """The (conv_fn, per_channel, has_bias, bias_quantized, bn_training) variants present in ``m``.
+
+    Read from each convolution whose weight is dequantized (after torchao's reference Q/DQ
+    decomposition); a variant missed here leaves an unfolded pattern, which the caller detects.
+    """
+    import torch.nn.functional as F
+
+    conv_fns = {
+        _aten.conv1d.default: F.conv1d,
+        _aten.conv2d.default: F.conv2d,
+        _aten.conv_transpose1d.default: F.conv_transpose1d,
+        _aten.conv_transpose2d.input: F.conv_transpose2d,
+    }
+    qd = torch.ops.quantized_decomposed
+    dq_per_channel = {qd.dequantize_per_channel.default}
+    dq_per_tensor = {qd.dequantize_per_tensor.default, qd.dequantize_per_tensor.tensor}
+    dq_ops = dq_per_channel | dq_per_tensor
+    bn_modes = {bool(n.args[5]) for n in m.graph.nodes if n.op == "call_function" and n.target in _BATCH_NORM_OPS and len(n.args) > 5}
+    if not bn_modes:
+        bn_modes = {True, False}
+    variants: set[tuple[Callable, bool, bool, bool, bool]] = set()
+    for node in m.graph.nodes:
+        if node.op != "call_function" or node.target not in conv_fns:
+            continue
+        weight = node.args[1] if len(node.args) > 1 else None
+        if not isinstance(weight, torch.fx.Node) or weight.target not in dq_ops:
+            continue  # weight not quantized: no quantized QAT pattern can match here
+        per_channel = weight.target in dq_per_channel
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        has_bias = bias is not None
+        bias_quantized = isinstance(bias, torch.fx.Node) and bias.target in dq_ops
+        for bn_training in bn_modes:
+            variants.add((conv_fns[node.target], per_channel, has_bias, bias_quantized, bn_training))
+    return variants
+
+
+def _cached_pattern(kind: str, conv_fn: Callable, flags: tuple[bool, ...], is_cuda: bool, build: Callable[[], torch.fx.GraphModule]) -> torch.fx.GraphModule:
+    key = (kind, conv_fn.__name__, flags, is_cuda)
+    if key not in _PATTERN_CACHE:
+        _PATTERN_CACHE[key] = build()
+    return copy.deepcopy(_PATTERN_CACHE[key])
+
+
+def _unfolded_qat_conv_bn(m: torch.fx.GraphModule) -> bool:
+    """Whether a quantized QAT conv-bn pattern (conv(dq(w)) -> div [-> add bias] -> batch_norm) is left.
+
+    Convolutions whose weight is not quantized (e.g. conv1d under X86InductorQuantizer, which
+    annotates conv2d and linear only) are not folded by torchao either and do not count.
+    """
+    from torchao.quantization.pt2e.utils import _is_conv_or_conv_transpose_node
+
+    qd = torch.ops.quantized_decomposed
+    dq_ops = {qd.dequantize_per_channel.default, qd.dequantize_per_tensor.default, qd.dequantize_per_tensor.tensor}
+    for node in m.graph.nodes:
+        if node.op != "call_function" or node.target not in _BATCH_NORM_OPS:
+            continue
+        x = node.args[0]
+        if isinstance(x, torch.fx.Node) and x.target == _aten.add.Tensor:
+            x = x.args[0]
+        if isinstance(x, torch.fx.Node) and x.target == _aten.div.Tensor:
+            x = x.args[0]
+            if (
+                isinstance(x, torch.fx.Node)
+                and _is_conv_or_conv_transpose_node(x)
+                and isinstance(x.args[1], torch.fx.Node)
+                and x.args[1].target in dq_ops
+            ):
+                return True
+    return False
+
+
+def _fast_fold_conv_bn_qat(m: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """torchao's ``_fold_conv_bn_qat`` restricted to the pattern variants that occur in ``m``.
+
+    Same steps as torchao 0.18 ``qat_utils._fold_conv_bn_qat_helper``, only the loop over the 96
+    (conv kind x variant) patterns is cut to those present and the exported patterns are cached.
+    """
+    import torch.nn.functional as F
+    from torch.fx.subgraph_rewriter import replace_pattern_with_filters
+    from torchao.quantization.pt2e import qat_utils as qu
+    from torchao.quantization.pt2e.utils import _get_aten_graph_module_for_pattern, fold_bn_weights_into_conv_node
+
+    if not any(qu._is_bn_node(n) for n in m.graph.nodes):
+        return m
+    m.graph.eliminate_dead_code()
+    m.recompile()
+    qu._duplicate_dequantize_node(m)
+    variants = _conv_variants(m)
+    inputs_1d = (torch.randn(1, 1, 3), torch.randn(1, 1, 1), torch.randn(1), torch.randn(1), torch.randn(1), torch.randn(1))
+    inputs_2d = (torch.randn(1, 1, 3, 3), torch.randn(1, 1, 1, 1), torch.randn(1), torch.randn(1), torch.randn(1), torch.randn(1))
+    example_inputs = {F.conv1d: inputs_1d, F.conv2d: inputs_2d, F.conv_transpose1d: inputs_1d, F.conv_transpose2d: inputs_2d}
+    params = [p for p in m.parameters()] + [b for b in m.buffers()]
+    is_cuda = any(t.device.type == "cuda" for t in params)
+
+    replacements = []
+    for conv_fn, per_channel, has_bias, bias_quantized, bn_training in sorted(variants, key=repr):
+        flags = (per_channel, has_bias, bias_quantized, bn_training)
+        kwargs = qu._get_quantized_conv_bn_example_inputs_kwargs(per_channel, has_bias, bias_quantized, is_cuda)
+        inputs = example_inputs[conv_fn]
+        match = _cached_pattern(
+            "match", conv_fn, flags, is_cuda,
+            lambda: _get_aten_graph_module_for_pattern(
+                qu._get_quantized_qat_conv_bn_pattern(per_channel, has_bias, bias_quantized, conv_fn, bn_training),
+                inputs, is_cuda, **kwargs,
+            ),
+        )
+        replacement = _cached_pattern(
+            "replacement", conv_fn, flags, is_cuda,
+            lambda: _get_aten_graph_module_for_pattern(
+                qu._get_folded_quantized_qat_conv_bn_pattern(per_channel, has_bias, bias_quantized, conv_fn, bn_training),
+                inputs, is_cuda, **kwargs,
+            ),
+        )
+        replacements.extend(replace_pattern_with_filters(m, match, replacement, ignore_literals=True))
+    m.recompile()
+    qu._remove_extra_dequantize(m)
+
+    for r in replacements:
+        node_map = qu._get_conv_bn_pattern_nodes(r)
+        for original_node, replacement_node in node_map.values():
+            replacement_node.meta = original_node.meta
+        qu._copy_over_q_dq_args(*node_map["conv_weight_q"])
+        qu._copy_over_q_dq_args(*node_map["conv_weight_dq"])
+        if "conv_bias_q" in node_map:
+            qu._copy_over_q_dq_args(*node_map["conv_bias_q"])
+            qu._copy_over_q_dq_args(*node_map["conv_bias_dq"])
+        conv_bias = node_map["conv_bias"][1] if "conv_bias" in node_map else None
+        fold_bn_weights_into_conv_node(node_map["conv"][1], node_map["conv_weight"][1], conv_bias, node_map["bn"][1], m)
+        for original_node in qu._filter_nodes_map(r.nodes_map).values():
+            if qu._is_conv_or_conv_transpose_node(original_node):
+                qu._copy_over_literal_conv_args(original_node, node_map["conv"][1])
+
+    for node in list(m.graph.nodes):
+        if _is_bn_counter(node) and not node.users:
+            m.graph.erase_node(node)
+    m.graph.eliminate_dead_code()
+    m.recompile()
+    # torchao's fold drops the folded BatchNorm attributes as a side effect of its later pattern
+    # replacements (subgraph_rewriter deletes unused submodules); do it explicitly.
+    m.delete_all_unused_submodules()
+    if _unfolded_qat_conv_bn(m):  # a variant this analysis missed: let torchao try all of them
+        m = qu._fold_conv_bn_qat(m)
+    return m
+
+
+# --------------------------------------------------------------------------- the engine
+
+class Pt2eEngine(QuantEngine):
+    """torchao PT2E: ``torch.export`` (dynamic batch) + ``prepare_qat_pt2e``, then ``convert_pt2e``.
+
+    Only the x86 backend (``X86InductorQuantizer``) unless ``spec.qconfig_mapping`` is a torchao
+    ``Quantizer``, which is used as is. ``convert`` returns the Q/DQ reference model; lower it with
+    ``torch.compile`` (inductor, ``torch._inductor.config.freezing = True``) for int8 kernels.
+
+    ``spec.options``: ``dynamic_batch`` (default ``True``: dim 0 of the inputs is a ``torch.export.Dim``),
+    ``fold_quantize`` (default ``True``, passed to ``convert_pt2e``), ``fast_fold`` (default
+    ``True``: the conv-bn fold described in the module docstring).
+
+    Example::
+
+        engine = Pt2eEngine()
+        prepared = engine.prepare(net.train(), Inputs((torch.randn(2, 1, 8, 8),)), QuantSpec(backend="x86"))
+        ...  # train
+        int8 = engine.convert(prepared, QuantSpec(backend="x86"))
+    """
+
+    name = "pt2e"
+
+    def __init__(self) -> None:
+        self.ao = load_torchao()
+
+    # ------------------------------------------------------------------ spec
+
+    def check_spec(self, spec: QuantSpec) -> None:
+        """Reject settings the PT2E engine cannot honour, all at once, naming the config keys."""
+        errors: list[str] = []
+        custom_quantizer = isinstance(spec.qconfig_mapping, self.ao.Quantizer)
+        if spec.qconfig_mapping is not None and not custom_quantizer:
+            errors.append(
+                f"quant.qconfig_mapping: the pt2e engine takes a torchao Quantizer instance (e.g. "
+                f"X86InductorQuantizer), got {type(spec.qconfig_mapping).__name__}; use quant.engine=fx for a QConfigMapping"
+            )
+        if spec.backend != "x86" and not custom_quantizer:
+            errors.append(
+                f"quant.backend={spec.backend!r}: the pt2e engine supports only 'x86' (X86InductorQuantizer, "
+                "lowered by inductor); use quant.backend=x86, pass your own torchao Quantizer, or use quant.engine=fx"
+            )
+        for attr, key in _FX_ONLY:
+            if getattr(spec, attr) is not None:
+                errors.append(f"{key}: only the FX engine supports it; use quant.engine=fx or remove {key}")
+        if spec.options.get("equalization_config") is not None:
+            errors.append(
+                "quant.equalization_config: only the FX engine supports it; use quant.engine=fx or remove it"
+            )
+        if errors:
+            raise ConfigError(errors)
+
+    def quantizer(self, spec: QuantSpec) -> Any:
+        if isinstance(spec.qconfig_mapping, self.ao.Quantizer):
+            return spec.qconfig_mapping
+        quantizer = self.ao.X86InductorQuantizer()
+        quantizer.set_global(self.ao.get_default_x86_inductor_quantization_config(is_qat=spec.is_qat))
+        return quantizer
+
+    # ------------------------------------------------------------------ prepare
+
+    @staticmethod
+    def export_inputs(module: nn.Module, inputs: Inputs, dynamic_batch: bool = True) -> tuple[tuple, dict, Any]:
+        """Example args/kwargs for ``torch.export`` and a ``dynamic_shapes`` marking dim 0 as the batch.
+
+        The batch size is dim 0 of the first tensor input; every tensor input with that dim 0 shares
+        one ``Dim``. A batch of 1 is repeated to 2: export specializes sizes 0 and 1.
+        """
+        from torch.utils._pytree import tree_flatten, tree_map
+
+        args, kwargs = tuple(inputs.args), dict(inputs.kwargs)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+        if not dynamic_batch or not tensors:
+            return args, kwargs, None
+        batch = tensors[0].shape[0]
+        if batch == 0:
+            return args, kwargs, None
+        if batch == 1:
+
+            def widen(v: Any) -> Any:
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == 1:
+                    return torch.cat([v, v]).detach()
+                return v
+
+            args, kwargs = tree_map(widen, (args, kwargs))
+        size = max(batch, 2)
+        dim = torch.export.Dim("batch")
+
+        def spec_of(v: Any) -> Any:
+            return {0: dim} if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size else None
+
+        try:
+            bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        except TypeError:
+            return args, kwargs, tree_map(spec_of, args + tuple(kwargs.values()))
+        dynamic = {}
+        for name, value in bound.arguments.items():
+            if isinstance(value, torch.Tensor):
+                dynamic[name] = spec_of(value)
+            else:
+                dynamic[name] = tree_map(spec_of, value)
+        return args, kwargs, dynamic
+
+    def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
+        self.check_spec(spec)
+        quantizer = self.quantizer(spec)
+        module.train(spec.is_qat)
+        args, kwargs, dynamic = self.export_inputs(module, inputs, spec.options.get("dynamic_batch", True))
+        try:
+            exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic)
+        except Exception as exc:  # torch.export raises many kinds (UserError, Unsupported, TypeError, ...)
+            raise TraceError(
+                f"torch.export could not capture {type(module).__name__}: {type(exc).__name__}: {str(exc)[:2000]}. "
+                "Quantize a smaller submodule that exports (quant.modules); if the batch dimension is the problem, "
+                "set engine_options dynamic_batch=false; or try quant.engine=fx."
+            ) from exc
+        graph = exported.module()
+        prepare = self.ao.prepare_qat_pt2e if spec.is_qat else self.ao.prepare_pt2e
+        try:
+            prepared = prepare(graph, quantizer)
+        except Exception as exc:
+            raise TraceError(
+                f"torchao {prepare.__name__} failed on {type(module).__name__} with {type(quantizer).__name__}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return _install_train_eval(prepared, training=spec.is_qat)
+
+    # ------------------------------------------------------------------ phases
+
+    def _quant_modules(self, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+        """Top-level fake-quant and observer modules (not an observer inside a fake-quant)."""
+        types = self.ao.fake_quant_types + self.ao.observer_types
+        outer: set[str] = set()
+        for name, m in module.named_modules():
+            if not isinstance(m, types):
+                continue
+            parts = name.split(".")
+            if not any(".".join(parts[:i]) in outer for i in range(1, len(parts))):
+                outer.add(name)
+                yield name, m
+
+    def _graphs(self, module: nn.Module) -> Iterator[torch.fx.GraphModule]:
+        for m in module.modules():
+            if isinstance(m, _ExportedTrainEval):
+                yield m  # type: ignore[misc]
+
+    def set_phase(self, module: nn.Module, phase: Phase) -> None:
+        for _, m in self._quant_modules(module):
+            if isinstance(m, self.ao.fake_quant_types):
+                m.enable_fake_quant(phase.fake_quant)
+                m.enable_observer(phase.observe)
+                if hasattr(m, "learning_enabled"):  # LearnableFakeQuantize: learn qparams once observers freeze
+                    if phase.fake_quant and not phase.observe:
+                        m.enable_range_learning()
+                    else:
+                        m.disable_range_learning()
+            else:
+                _set_plain_observer(m, phase.observe)
+        for gm in self._graphs(module):
+            _graph_state(gm)["bn_frozen"] = phase.bn_frozen
+            _rewrite_modes(gm, gm.training)
+
+    def set_observers(self, module: nn.Module, enabled: bool) -> None:
+        for _, m in self._quant_modules(module):
+            if isinstance(m, self.ao.fake_quant_types):
+                m.enable_observer(enabled)
+            else:
+                _set_plain_observer(m, enabled)
+
+    # ------------------------------------------------------------------ convert
+
+    @contextlib.contextmanager
+    def _fold(self, enabled: bool) -> Iterator[None]:
+        target = self.ao.quantize_pt2e_module
+        if not enabled or not hasattr(target, "_fold_conv_bn_qat"):
+            yield
+            return
+        original = target._fold_conv_bn_qat
+        target._fold_conv_bn_qat = _fast_fold_conv_bn_qat
+        try:
+            yield
+        finally:
+            target._fold_conv_bn_qat = original
+
+    def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
+        self.check_spec(spec)
+        if not isinstance(module, torch.fx.GraphModule):
+            raise TypeError(f"Pt2eEngine.convert expects the module returned by prepare, got {type(module).__name__}")
+        self.set_observers(module, False)
+        module.eval()  # dropout off, BatchNorm on running statistics: the patterns the fold matches
+        for node in list(module.graph.nodes):
+            if _is_bn_counter(node) and not node.users:
+                module.graph.erase_node(node)
+        module.recompile()
+        with self._fold(spec.options.get("fast_fold", True)):
+            converted = self.ao.convert_pt2e(module, fold_quantize=spec.options.get("fold_quantize", True))
+        return _install_train_eval(converted, training=False)
+
+    # ------------------------------------------------------------------ state
+
+    def quant_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, m in self._quant_modules(module):
+            for buf_name, buf in m.named_buffers(prefix=name):
+                yield buf_name, buf
+
+    def describe_qparams(self, module: nn.Module) -> dict[str, dict[str, Any]]:
+        summary = {}
+        for name, m in self._quant_modules(module):
+            if isinstance(m, self.ao.fake_quant_types) and isinstance(getattr(m, "scale", None), torch.Tensor):
+                summary[name] = {
+                    "scale_mean": float(m.scale.detach().float().mean()),
+                    "zero_point_mean": float(m.zero_point.detach().float().mean()),
+                    "fake_quant": bool(m.fake_quant_enabled[0]),
+                    "observer": bool(m.observer_enabled[0]),
+                }
+        return summary

@@ -1,0 +1,143 @@
+"""`qlightning train` and `qlightning recipes` as a user runs them (subprocesses, real training)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def qlightning(*args: str, cwd: Path, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qlightning.cli", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )
+
+
+def test_default_job_trains_converts_and_reports(tmp_path):
+    out = qlightning("train", f"hydra.run.dir={tmp_path}/run", "trainer.enable_progress_bar=false", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "run"
+    report = json.loads((run / "report.json").read_text())
+    metrics = report["metrics"]
+    assert metrics["int8"]["accuracy"] >= metrics["fp32"]["accuracy"] - 0.005
+    assert metrics["int8"]["accuracy"] > 0.95 and metrics["fake_quant"]["accuracy"] > 0.95
+    assert report["size_bytes"]["int8"] < 0.4 * report["size_bytes"]["fp32"]
+    assert report["latency_ms"]["fp32"] > 0 and report["latency_ms"]["int8"] > 0
+    assert report["wall_s"] < 180
+    assert (run / "report.md").read_text().startswith("# qlightning report")
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert (run / "int8_net.pt").is_file()
+    assert "int8" in out.stdout and "fake_quant" in out.stdout  # the printed table
+
+
+def test_int8_model_file_loads_without_qlightning(tmp_path):
+    out = qlightning("train", "recipe=digits_fast", f"hydra.run.dir={tmp_path}/run", "trainer.enable_progress_bar=false", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    code = (
+        "import torch, sklearn.datasets as d\n"
+        f"m = torch.jit.load('{tmp_path}/run/int8_net.pt')\n"
+        "x = torch.tensor(d.load_digits().images / 16.0, dtype=torch.float32).unsqueeze(1)\n"
+        "y = torch.tensor(d.load_digits().target)\n"
+        "print((m(x).argmax(1) == y).float().mean().item())\n"
+    )
+    check = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert check.returncode == 0, check.stderr
+    assert float(check.stdout.strip()) > 0.9
+
+
+def test_overrides_reach_the_run(tmp_path):
+    out = qlightning(
+        "train", "recipe=digits_fast", "quant.backend=qnnpack", "trainer.max_epochs=2",
+        "quant.schedule.fake_quant_start.epoch=0", "quant.schedule.observer_freeze.epoch=1",
+        "quant.schedule.bn_freeze.epoch=1", f"hydra.run.dir={tmp_path}/run", "trainer.enable_progress_bar=false",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["backend"] == "qnnpack"
+    config = (tmp_path / "run" / "config.yaml").read_text()
+    assert "max_epochs: 2" in config
+    assert "step 0 (epoch 0): fake-quant on" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["quant.backend=tensorrt"], "Invalid value 'tensorrt', expected one of [x86, fbgemm, qnnpack, onednn]"),
+        (["trainer.max_epoch=3"], "Key 'max_epoch' not in 'TrainerConf'"),
+        (["quant.schedule.fake_quant_start.epoch=5", "quant.schedule.observer_freeze.epoch=2"], "comes before"),
+        (["quant.modules=[backbone]"], "no submodule 'backbone'"),
+        (["recipe=no_such_recipe"], "unknown recipe; available: ["),
+        (["model._target_=os.system"], "not an allowed class"),
+    ],
+)
+def test_bad_config_exits_early_with_a_clear_message(tmp_path, overrides, fragment):
+    out = qlightning("train", *overrides, f"hydra.run.dir={tmp_path}/run", "trainer.enable_progress_bar=false", cwd=tmp_path, timeout=300)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert fragment in text, text[-2000:]
+    assert "Traceback" not in text
+    assert not (tmp_path / "run" / "checkpoints").exists()  # no training step ran
+
+
+def test_hostile_recipe_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    recipe = tmp_path / "evil.yaml"
+    recipe.write_text(f"model:\n  _target_: os.system\n  command: touch {marker}\n")
+    out = qlightning("train", f"recipe={recipe}", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path, timeout=300)
+    assert out.returncode == 2
+    assert "model._target_='os.system'" in out.stderr and "not an allowed class" in out.stderr
+    assert not marker.exists()
+
+
+def test_recipes_list_show_validate_cp(tmp_path):
+    listing = qlightning("recipes", "list", cwd=tmp_path)
+    assert listing.returncode == 0
+    names = {line.split()[0] for line in listing.stdout.splitlines()}
+    assert {"digits_qat", "digits_fast", "digits_qnnpack", "digits_step_schedule"} <= names
+    show = qlightning("recipes", "show", "digits_qat", cwd=tmp_path)
+    assert show.stdout.startswith("# qlightning train recipe=digits_qat")
+    for name in names:
+        ok = qlightning("recipes", "validate", name, cwd=tmp_path)
+        assert ok.returncode == 0, ok.stderr
+    copied = qlightning("recipes", "cp", "digits_fast", str(tmp_path), cwd=tmp_path)
+    assert copied.returncode == 0 and (tmp_path / "digits_fast.yaml").is_file()
+    text = (tmp_path / "digits_fast.yaml").read_text().replace("max_epochs: 4", "max_epochs: 0")
+    (tmp_path / "digits_fast.yaml").write_text(text)
+    bad = qlightning("recipes", "validate", str(tmp_path / "digits_fast.yaml"), "quant.modules=[nett]", cwd=tmp_path)
+    assert bad.returncode == 1 and "no submodule 'nett'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_wheel_installs_in_a_fresh_venv_and_runs_the_default_job(tmp_path):
+    """conf/ and recipes/ ship inside the wheel: a non-editable install runs `qlightning train`."""
+    dist = tmp_path / "dist"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(ROOT)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel = next(dist.glob("qlightning-*.whl"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    pip = venv / "bin" / "pip"
+    install = subprocess.run([str(pip), "install", "-q", "torch==2.13.0", str(wheel)], capture_output=True, text=True, timeout=1200)
+    assert install.returncode == 0, install.stderr[-3000:]
+    run = subprocess.run(
+        [str(venv / "bin" / "qlightning"), "train", "recipe=digits_fast", f"hydra.run.dir={tmp_path}/run",
+         "trainer.enable_progress_bar=false"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["metrics"]["int8"]["accuracy"] > 0.9
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import qlightning; print(qlightning.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True)
+    assert str(venv) in where.stdout

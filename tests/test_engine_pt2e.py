@@ -1,0 +1,304 @@
+"""The PT2E engine (torchao): prepare/phases/convert on small modules, and end to end through the callback."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchao.quantization.pt2e")
+
+import lightning.pytorch as pl  # noqa: E402
+
+from qlightning import ConfigError, EngineUnavailableError, Inputs, Phase, QuantizationAwareTraining, QuantSpec  # noqa: E402
+from qlightning.engines import get_engine  # noqa: E402
+from qlightning.examples.digits import DigitsClassifier, DigitsCNN, DigitsDataModule  # noqa: E402
+
+FLOAT = Phase(fake_quant=False, observe=False, bn_frozen=False)
+CALIBRATE = Phase(fake_quant=False, observe=True, bn_frozen=False)
+QAT = Phase(fake_quant=True, observe=True, bn_frozen=False)
+FROZEN = Phase(fake_quant=True, observe=False, bn_frozen=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return get_engine("pt2e")
+
+
+def _state(engine, module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.quant_state(module)}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _batch_norm_training_flags(module) -> list[bool]:
+    return [n.args[5] for n in module.graph.nodes if n.target == torch.ops.aten.batch_norm.default]
+
+
+class DropoutNet(nn.Module):
+    def __init__(self, p: float = 0.1) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 256)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.linear(x))
+
+
+# ----------------------------------------------------------------------------- train / eval, dropout
+
+
+def test_dropout_keeps_its_probability_across_train_eval(engine):
+    torch.manual_seed(0)
+    net = DropoutNet(p=0.1)
+    reference = copy.deepcopy(net).eval()
+    prepared = engine.prepare(net, Inputs((torch.randn(1, 16),)), QuantSpec(backend="x86"))  # batch 1: widened
+    engine.set_phase(prepared, FLOAT)
+    parent = nn.Sequential(prepared)  # Lightning calls train()/eval() on the parent: the child must follow
+    parent.eval()
+    parent.train()
+    parent.eval()
+    parent.train()
+    assert prepared.training
+
+    x = torch.randn(512, 16)  # another batch size than at export: dynamic batch
+    out = prepared(x)
+    zeros = (out == 0).float().mean().item()
+    assert abs(zeros - 0.1) < 0.02, f"fraction of zeros {zeros:.3f}, expected ~0.1 (torchao's own train/eval gives 0.5)"
+    with torch.no_grad():
+        expected = reference(x)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], expected[kept] / 0.9)  # inverted dropout scale of p=0.1
+
+    parent.eval()
+    assert not prepared.training
+    with torch.no_grad():
+        a, b = prepared(x), prepared(x)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a, expected)
+
+    # a deep copy (the callback keeps one of the fake-quant model) switches modes on its own graph
+    prepared.train()
+    clone = copy.deepcopy(prepared)
+    clone.eval()
+    assert prepared.training and not clone.training
+    with torch.no_grad():
+        torch.testing.assert_close(clone(x), expected)
+    assert (prepared(x) == 0).any()
+
+
+def test_phases_observers_and_batch_norm_freeze(engine):
+    torch.manual_seed(0)
+    net = DigitsCNN()
+    prepared = engine.prepare(net, Inputs((torch.rand(4, 1, 8, 8),)), QuantSpec(backend="x86"))
+    fq = {name: m for name, m in prepared.named_modules() if hasattr(m, "fake_quant_enabled")}
+    assert fq, "no fake-quant modules in the prepared graph"
+
+    engine.set_phase(prepared, CALIBRATE)
+    assert all(not m.fake_quant_enabled[0] and m.observer_enabled[0] for m in fq.values())
+    before = _state(engine, prepared)
+    prepared(torch.rand(16, 1, 8, 8))
+    assert not _same(before, _state(engine, prepared)), "observers did not update"
+
+    # observers off: no forward, in train or eval mode, moves a quant buffer
+    engine.set_observers(prepared, False)
+    before = _state(engine, prepared)
+    for training in (True, False):
+        prepared.train(training)
+        prepared(torch.rand(16, 1, 8, 8))
+    assert _same(before, _state(engine, prepared))
+    prepared.train()
+
+    # BatchNorm frozen: normalizes with running statistics and stops updating them while training
+    engine.set_phase(prepared, FROZEN)
+    assert all(m.fake_quant_enabled[0] and not m.observer_enabled[0] for m in fq.values())
+    assert _batch_norm_training_flags(prepared) == [False] * 3
+    stats = {k: v.clone() for k, v in prepared.state_dict().items() if "running" in k or "num_batches" in k}
+    out = prepared(torch.rand(16, 1, 8, 8))
+    out.sum().backward()  # still trainable
+    assert all(torch.equal(v, prepared.state_dict()[k]) for k, v in stats.items())
+
+    engine.set_phase(prepared, QAT)
+    assert _batch_norm_training_flags(prepared) == [True] * 3
+    prepared.eval()
+    assert _batch_norm_training_flags(prepared) == [False] * 3
+    prepared.train()
+    prepared(torch.rand(16, 1, 8, 8))
+    assert not all(torch.equal(v, prepared.state_dict()[k]) for k, v in stats.items())
+    assert engine.describe_qparams(prepared)
+
+
+def test_convert_matches_fake_quant_and_is_fast(engine):
+    torch.manual_seed(0)
+    prepared = engine.prepare(DigitsCNN(), Inputs((torch.rand(8, 1, 8, 8),)), QuantSpec(backend="x86"))
+    engine.set_phase(prepared, QAT)
+    for _ in range(4):
+        prepared(torch.rand(32, 1, 8, 8))
+    engine.set_phase(prepared, FROZEN)
+    fake_quant = copy.deepcopy(prepared).eval()
+    start = time.perf_counter()
+    converted = engine.convert(prepared, QuantSpec(backend="x86"))
+    seconds = time.perf_counter() - start
+    assert seconds < 8, f"convert took {seconds:.1f}s (torchao's stock conv-bn fold takes 10-30s here)"
+    targets = {n.target for n in converted.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.batch_norm.default not in targets, "conv-bn not folded"
+    assert torch.ops.quantized_decomposed.quantize_per_tensor.default in targets
+    converted.eval()  # converted modules accept train()/eval() too (Lightning calls them)
+    x = torch.rand(32, 1, 8, 8)
+    with torch.no_grad():
+        reference, out = fake_quant(x), converted(x)
+    assert (out.argmax(1) == reference.argmax(1)).float().mean() > 0.9
+    assert (out - reference).abs().max() < 0.1 * reference.abs().max()
+
+
+@pytest.mark.slow
+def test_fast_fold_equals_torchao_fold(engine):
+    torch.manual_seed(0)
+    prepared = engine.prepare(DigitsCNN(), Inputs((torch.rand(8, 1, 8, 8),)), QuantSpec(backend="x86"))
+    engine.set_phase(prepared, QAT)
+    prepared(torch.rand(32, 1, 8, 8))
+    engine.set_phase(prepared, FROZEN)
+    fast = engine.convert(copy.deepcopy(prepared), QuantSpec(backend="x86"))
+    stock = engine.convert(copy.deepcopy(prepared), QuantSpec(backend="x86", options={"fast_fold": False}))
+    ops = [[(n.op, str(n.target)) for n in m.graph.nodes if n.op != "get_attr"] for m in (fast, stock)]
+    assert ops[0] == ops[1]  # node names may differ (torchao applies more patterns), the graphs do not
+    a, b = fast.state_dict(), stock.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.rand(16, 1, 8, 8)
+    assert torch.equal(fast(x), stock(x))
+
+
+def test_prepared_state_dict_round_trips(engine):
+    """A resumed fit prepares a fresh model and loads the checkpoint strictly: the keys must agree."""
+    torch.manual_seed(0)
+    first = engine.prepare(DigitsCNN(), Inputs((torch.rand(4, 1, 8, 8),)), QuantSpec(backend="x86"))
+    engine.set_phase(first, QAT)
+    first(torch.rand(16, 1, 8, 8))
+    second = engine.prepare(DigitsCNN(), Inputs((torch.rand(4, 1, 8, 8),)), QuantSpec(backend="x86"))
+    second.load_state_dict(first.state_dict(), strict=True)
+    assert _same(_state(engine, first), _state(engine, second))
+
+
+def test_post_training_observers_switch_off(engine):
+    torch.manual_seed(0)
+    prepared = engine.prepare(DigitsCNN().eval(), Inputs((torch.rand(4, 1, 8, 8),)), QuantSpec(backend="x86", is_qat=False))
+    assert not prepared.training
+    before = _state(engine, prepared)
+    engine.set_observers(prepared, False)
+    prepared(torch.rand(16, 1, 8, 8))
+    assert _same(before, _state(engine, prepared))
+    engine.set_observers(prepared, True)
+    prepared(torch.rand(16, 1, 8, 8))
+    assert not _same(before, _state(engine, prepared))
+    converted = engine.convert(prepared, QuantSpec(backend="x86", is_qat=False))
+    assert converted(torch.rand(3, 1, 8, 8)).shape == (3, 10)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "spec, key",
+    [
+        (QuantSpec(prepare_custom_config=object()), "quant.prepare_custom_config"),
+        (QuantSpec(convert_custom_config=object()), "quant.convert_custom_config"),
+        (QuantSpec(options={"equalization_config": object()}), "equalization_config"),
+        (QuantSpec(backend="qnnpack"), "quant.backend"),
+        (QuantSpec(qconfig_mapping=object()), "quant.qconfig_mapping"),
+    ],
+)
+def test_fx_only_settings_are_config_errors(engine, spec, key):
+    with pytest.raises(ConfigError, match=key) as info:
+        engine.prepare(DigitsCNN(), Inputs((torch.rand(2, 1, 8, 8),)), spec)
+    assert "quant.engine=fx" in str(info.value) or "quant.backend=x86" in str(info.value)
+
+
+def test_missing_torchao_is_engine_unavailable(monkeypatch):
+    for name in [n for n in sys.modules if n == "torchao" or n.startswith("torchao.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    with pytest.raises(EngineUnavailableError, match="pip install torchao"):
+        get_engine("pt2e")
+
+
+def test_import_qlightning_without_torchao():
+    code = (
+        "import sys; sys.modules['torchao'] = None\n"
+        "import qlightning\n"
+        "from qlightning.engines import get_engine\n"
+        "try:\n    get_engine('pt2e')\nexcept qlightning.EngineUnavailableError as e:\n    print('unavailable:', e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "unavailable:" in result.stdout and "pip install torchao" in result.stdout
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def _trainer(callback, max_epochs: int) -> pl.Trainer:
+    return pl.Trainer(
+        max_epochs=max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+
+
+def test_end_to_end_qat_through_the_callback():
+    pl.seed_everything(0)
+    model, data = DigitsClassifier(), DigitsDataModule(seed=0)
+    callback = QuantizationAwareTraining(
+        modules=["net"],
+        engine="pt2e",
+        fake_quant_start={"epoch": 3},
+        observer_freeze={"epoch": 6},
+        bn_freeze={"epoch": 6},
+    )
+    trainer = _trainer(callback, max_epochs=8)
+    trainer.fit(model, datamodule=data)
+    assert callback.converted
+    int8 = trainer.test(model, datamodule=data, verbose=False)[0]["test/accuracy"]
+
+    fake_quant = callback.fake_quant_modules["net"]
+    model.net = fake_quant
+    callback.engine.set_phase(fake_quant, Phase(fake_quant=True, observe=False, bn_frozen=True))
+    fq = trainer.test(model, datamodule=data, verbose=False)[0]["test/accuracy"]
+    callback.engine.set_phase(fake_quant, Phase(fake_quant=False, observe=False, bn_frozen=True))
+    fp32 = trainer.test(model, datamodule=data, verbose=False)[0]["test/accuracy"]
+    print(f"pt2e digits: int8 {int8:.4f}, fake-quant {fq:.4f}, fp32 numerics {fp32:.4f}")
+    assert int8 >= fp32 - 0.01, f"int8 {int8:.4f} lost more than 1 point against fp32 numerics {fp32:.4f}"
+    assert abs(int8 - fq) <= 0.01, f"int8 {int8:.4f} differs from its fake-quant model {fq:.4f}"
+    assert int8 > 0.9
+
+
+def test_validate_leaves_quant_state_unchanged():
+    pl.seed_everything(0)
+    model, data = DigitsClassifier(), DigitsDataModule(seed=0)
+    callback = QuantizationAwareTraining(modules=["net"], engine="pt2e", convert_on_fit_end=False)
+    trainer = _trainer(callback, max_epochs=1)
+    trainer.fit(model, datamodule=data)
+    engine = callback.engine
+    before = _state(engine, model.net)
+    buffers = {k: v.clone() for k, v in model.net.named_buffers()}
+    assert before
+    trainer.validate(model, datamodule=data, verbose=False)
+    assert _same(before, _state(engine, model.net))
+    assert all(torch.equal(v, dict(model.net.named_buffers())[k]) for k, v in buffers.items())  # BN stats too
