@@ -1,6 +1,7 @@
 """qlightning: quantization-aware training as a drop-in PyTorch Lightning callback."""
 
 from qlightning.callbacks import QuantizationAwareTraining
+from qlightning.checkpoint import restore
 from qlightning.engines import Inputs, QuantSpec, get_engine
 from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError, TraceError
 from qlightning.schedule import Milestone, Phase, Schedule
@@ -19,5 +20,6 @@ __all__ = [
     "Schedule",
     "TraceError",
     "get_engine",
+    "restore",
     "__version__",
 ]

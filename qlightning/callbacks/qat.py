@@ -13,6 +13,7 @@ from torch import nn
 from typing_extensions import override
 
 from qlightning.capture import example_inputs_for, resolve_targets
+from qlightning.distributed import broadcast_buffers
 from qlightning.engines import BACKENDS, ENGINES, Inputs, QuantEngine, QuantSpec, get_engine
 from qlightning.errors import ConfigError, QLightningError
 from qlightning.schedule import MilestoneLike, Phase, Schedule
@@ -173,12 +174,25 @@ class QuantizationAwareTraining(Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit" or self.prepared:
-            if stage == "fit" and self.converted:
-                raise QLightningError(
-                    "QuantizationAwareTraining: the model was already converted to int8 at the end of a "
-                    "previous fit; pass convert_on_fit_end=False to fit more than once"
-                )
+        if stage == "fit" and self.converted:
+            raise QLightningError(
+                "QuantizationAwareTraining: the model was already converted to int8 at the end of a "
+                "previous fit; pass convert_on_fit_end=False to fit more than once"
+            )
+        if self.prepared:
+            return
+        if stage != "fit":
+            # validate/test/predict(ckpt_path=<a QAT checkpoint>): prepare when Lightning hands the
+            # checkpoint to LightningModule.on_load_checkpoint, just before it loads the weights.
+            original_on_load = pl_module.on_load_checkpoint
+
+            def on_load_checkpoint_then_prepare(checkpoint: dict[str, Any]) -> None:
+                del pl_module.on_load_checkpoint
+                original_on_load(checkpoint)
+                if any(str(k).startswith(type(self).__name__) for k in checkpoint.get("callbacks", {})):
+                    self.prepare(pl_module, trainer)
+
+            pl_module.on_load_checkpoint = on_load_checkpoint_then_prepare  # type: ignore[method-assign]
             return
         self.engine  # fail early if the engine cannot run here
         # Prepare right after LightningModule.setup/configure_model (so modules built there exist)
@@ -191,6 +205,13 @@ class QuantizationAwareTraining(Callback):
             self.prepare(pl_module, trainer)
 
         pl_module.configure_model = configure_model_then_prepare  # type: ignore[method-assign]
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        # drop hook wrappers that were never called (no checkpoint loaded): a LightningModule must
+        # stay picklable and free of references to this callback
+        for hook in ("configure_model", "on_load_checkpoint"):
+            pl_module.__dict__.pop(hook, None)
 
     def _batch_source(self, trainer: "pl.Trainer") -> Any:
         def first_batch() -> Any:
@@ -295,10 +316,27 @@ class QuantizationAwareTraining(Callback):
     def on_predict_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._evaluation(pl_module, "predict", False)
 
+    # ------------------------------------------------------------------ distributed
+
+    def _sync(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.prepared and not self.converted:
+            broadcast_buffers(trainer, (pl_module.get_submodule(name) for name in self.targets))
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # before ModelCheckpoint saves (it runs after callbacks registered earlier) and before validation
+        self._sync(trainer, pl_module)
+
+    @override
+    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict) -> None:
+        # a mid-epoch checkpoint is written by rank 0 only; it must hold what every rank will convert
+        self._sync(trainer, pl_module)
+
     # ------------------------------------------------------------------ conversion
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._sync(trainer, pl_module)
         if self.convert_on_fit_end and self.prepared and not self.converted:
             self.convert(pl_module)
 
