@@ -112,6 +112,9 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
                         threads=cfg.report.latency_threads,
                     )
                 )
+        from qlightning.artifacts import finalize_run
+
+        result.update(finalize_run(callback, model, datamodule, cfg, run_dir, result))
     result["checkpoint"] = ckpt.last_model_path or ckpt.best_model_path
     result["wall_s"] = round(time.perf_counter() - start, 2)
     if "metrics" in result:

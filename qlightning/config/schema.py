@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
+from qlightning.config.export_schema import ExportConf, ParityConf
+
 SCHEMA_VERSION = 1
 
 
@@ -129,6 +131,8 @@ class TrainConfig:
     trainer: TrainerConf = field(default_factory=TrainerConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     report: ReportConf = field(default_factory=ReportConf)
+    export: ExportConf = field(default_factory=ExportConf)
+    parity: ParityConf = field(default_factory=ParityConf)
     # Extra module prefixes whose classes `_target_` may name. Set on the command line or in
     # QLIGHTNING_TRUSTED_MODULES, never by a recipe.
     trusted_modules: List[str] = field(default_factory=list)
