@@ -166,6 +166,19 @@ def test_convert_matches_fake_quant_and_is_fast(engine):
     assert (out - reference).abs().max() < 0.1 * reference.abs().max()
 
 
+def test_fast_fuse_equals_torchao_fuse(engine):
+    """prepare runs torchao's conv-bn fuse only for the conv kinds in the graph: same prepared model."""
+    prepared = []
+    for fast in (True, False):
+        torch.manual_seed(0)
+        spec = QuantSpec(backend="x86", options={"fast_fold": fast})
+        prepared.append(engine.prepare(DigitsCNN(), Inputs((torch.rand(4, 1, 8, 8),)), spec))
+    fast, stock = prepared
+    assert fast.code == stock.code
+    a, b = fast.state_dict(), stock.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.slow
 def test_fast_fold_equals_torchao_fold(engine):
     torch.manual_seed(0)

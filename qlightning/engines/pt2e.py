@@ -20,7 +20,8 @@ Three things differ from torchao's own helpers, on purpose:
   kinds x 12 variants x match/replacement), ~0.2 s each, whatever the model: ~20-30 s per
   ``convert_pt2e``. The fold here builds only the variants that occur in the graph (conv kind,
   per-channel or not, bias or not, BatchNorm training flag) and caches them per process; when a
-  QAT conv-bn pattern is left unfolded it falls back to torchao's full fold.
+  QAT conv-bn pattern is left unfolded it falls back to torchao's full fold. Likewise prepare
+  runs torchao's conv-bn fuse only for the conv kinds in the graph (12 pattern exports -> 3).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 import logging
 import warnings
 from types import SimpleNamespace
@@ -50,30 +52,46 @@ _FX_ONLY = (
 )
 
 
+@contextlib.contextmanager
+def _quiet_torchao_import() -> Iterator[None]:
+    """Silence what importing torchao says on every CPU machine (nothing a user can act on)."""
+    # torchao logs a warning for every optional CUDA kernel library it cannot load on a CPU build,
+    # and registers an Enum as a pytree constant, which torch's pytree logs as deprecated.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            # torchao imports torch.utils.mkldnn, whose @torch.jit.script_method warns (torch 2.13)
+            warnings.filterwarnings(
+                "ignore", message=r".*torch\.jit\.script_method.*deprecated", category=DeprecationWarning
+            )
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def load_torchao() -> SimpleNamespace:
     """Import the torchao PT2E pieces the engine needs, or explain how to get them."""
-    torchao_logger = logging.getLogger("torchao")
-    level = torchao_logger.level
-    # torchao logs a warning for every optional CUDA kernel library it cannot load on a CPU build.
-    torchao_logger.setLevel(logging.ERROR)
     try:
-        from torchao.quantization.pt2e import quantize_pt2e as quantize_pt2e_module
-        from torchao.quantization.pt2e.fake_quantize import FakeQuantizeBase
-        from torchao.quantization.pt2e.observer import ObserverBase
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, prepare_qat_pt2e
-        from torchao.quantization.pt2e.quantizer import Quantizer
-        from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-            X86InductorQuantizer,
-            get_default_x86_inductor_quantization_config,
-        )
+        with _quiet_torchao_import():
+            from torchao.quantization.pt2e import quantize_pt2e as quantize_pt2e_module
+            from torchao.quantization.pt2e.fake_quantize import FakeQuantizeBase
+            from torchao.quantization.pt2e.observer import ObserverBase
+            from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e, prepare_qat_pt2e
+            from torchao.quantization.pt2e.quantizer import Quantizer
+            from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+                X86InductorQuantizer,
+                get_default_x86_inductor_quantization_config,
+            )
     except ImportError as exc:
         raise EngineUnavailableError(
             f"quant.engine='pt2e' needs torchao with PT2E quantization (torchao.quantization.pt2e), "
             f"which could not be imported ({exc}). Install it with `pip install torchao` (a version "
             f"matching torch {torch.__version__}), or use quant.engine=fx."
         ) from exc
-    finally:
-        torchao_logger.setLevel(level)
     # Quantizers written against torch.ao (older torchao / user code) use torch.ao's classes.
     fake_quant_types: tuple[type, ...] = (FakeQuantizeBase,)
     observer_types: tuple[type, ...] = (ObserverBase,)
@@ -244,9 +262,8 @@ def _conv_variants(m: torch.fx.GraphModule) -> set[tuple[Callable, bool, bool, b
     dq_per_channel = {qd.dequantize_per_channel.default}
     dq_per_tensor = {qd.dequantize_per_tensor.default, qd.dequantize_per_tensor.tensor}
     dq_ops = dq_per_channel | dq_per_tensor
-    bn_modes = {bool(n.args[5]) for n in m.graph.nodes if n.op == "call_function" and n.target in _BATCH_NORM_OPS and len(n.args) > 5}
-    if not bn_modes:
-        bn_modes = {True, False}
+    bn_nodes = [n for n in m.graph.nodes if n.op == "call_function" and n.target in _BATCH_NORM_OPS]
+    bn_modes = {bool(n.args[5]) for n in bn_nodes if len(n.args) > 5} or {True, False}
     variants: set[tuple[Callable, bool, bool, bool, bool]] = set()
     for node in m.graph.nodes:
         if node.op != "call_function" or node.target not in conv_fns:
@@ -261,13 +278,6 @@ def _conv_variants(m: torch.fx.GraphModule) -> set[tuple[Callable, bool, bool, b
         for bn_training in bn_modes:
             variants.add((conv_fns[node.target], per_channel, has_bias, bias_quantized, bn_training))
     return variants
-
-
-def _cached_pattern(kind: str, conv_fn: Callable, flags: tuple[bool, ...], is_cuda: bool, build: Callable[[], torch.fx.GraphModule]) -> torch.fx.GraphModule:
-    key = (kind, conv_fn.__name__, flags, is_cuda)
-    if key not in _PATTERN_CACHE:
-        _PATTERN_CACHE[key] = build()
-    return copy.deepcopy(_PATTERN_CACHE[key])
 
 
 def _unfolded_qat_conv_bn(m: torch.fx.GraphModule) -> bool:
@@ -303,61 +313,90 @@ def _fast_fold_conv_bn_qat(m: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     Same steps as torchao 0.18 ``qat_utils._fold_conv_bn_qat_helper``, only the loop over the 96
     (conv kind x variant) patterns is cut to those present and the exported patterns are cached.
+    Where torchao's private helpers are not there (another torchao version), torchao's own fold runs.
     """
     import torch.nn.functional as F
     from torch.fx.subgraph_rewriter import replace_pattern_with_filters
     from torchao.quantization.pt2e import qat_utils as qu
-    from torchao.quantization.pt2e.utils import _get_aten_graph_module_for_pattern, fold_bn_weights_into_conv_node
 
-    if not any(qu._is_bn_node(n) for n in m.graph.nodes):
+    try:
+        from torchao.quantization.pt2e.utils import _get_aten_graph_module_for_pattern, fold_bn_weights_into_conv_node
+
+        h = SimpleNamespace(
+            **{
+                name: getattr(qu, name)
+                for name in (
+                    "_is_bn_node",
+                    "_duplicate_dequantize_node",
+                    "_remove_extra_dequantize",
+                    "_get_quantized_conv_bn_example_inputs_kwargs",
+                    "_get_quantized_qat_conv_bn_pattern",
+                    "_get_folded_quantized_qat_conv_bn_pattern",
+                    "_get_conv_bn_pattern_nodes",
+                    "_copy_over_q_dq_args",
+                    "_filter_nodes_map",
+                    "_is_conv_or_conv_transpose_node",
+                    "_copy_over_literal_conv_args",
+                )
+            }
+        )
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the torchao version
+        return qu._fold_conv_bn_qat(m)
+
+    if not any(h._is_bn_node(n) for n in m.graph.nodes):
         return m
     m.graph.eliminate_dead_code()
     m.recompile()
-    qu._duplicate_dequantize_node(m)
+    h._duplicate_dequantize_node(m)
     variants = _conv_variants(m)
-    inputs_1d = (torch.randn(1, 1, 3), torch.randn(1, 1, 1), torch.randn(1), torch.randn(1), torch.randn(1), torch.randn(1))
-    inputs_2d = (torch.randn(1, 1, 3, 3), torch.randn(1, 1, 1, 1), torch.randn(1), torch.randn(1), torch.randn(1), torch.randn(1))
-    example_inputs = {F.conv1d: inputs_1d, F.conv2d: inputs_2d, F.conv_transpose1d: inputs_1d, F.conv_transpose2d: inputs_2d}
-    params = [p for p in m.parameters()] + [b for b in m.buffers()]
-    is_cuda = any(t.device.type == "cuda" for t in params)
+    # x, conv_weight, bn_weight, bn_bias, bn_running_mean, bn_running_var (as torchao's fold)
+    inputs_1d = (torch.randn(1, 1, 3), torch.randn(1, 1, 1), *(torch.randn(1) for _ in range(4)))
+    inputs_2d = (torch.randn(1, 1, 3, 3), torch.randn(1, 1, 1, 1), *(torch.randn(1) for _ in range(4)))
+    example_inputs = {
+        F.conv1d: inputs_1d,
+        F.conv2d: inputs_2d,
+        F.conv_transpose1d: inputs_1d,
+        F.conv_transpose2d: inputs_2d,
+    }
+    is_cuda = any(t.device.type == "cuda" for t in itertools.chain(m.parameters(), m.buffers()))
 
     replacements = []
-    for conv_fn, per_channel, has_bias, bias_quantized, bn_training in sorted(variants, key=repr):
-        flags = (per_channel, has_bias, bias_quantized, bn_training)
-        kwargs = qu._get_quantized_conv_bn_example_inputs_kwargs(per_channel, has_bias, bias_quantized, is_cuda)
-        inputs = example_inputs[conv_fn]
-        match = _cached_pattern(
-            "match", conv_fn, flags, is_cuda,
-            lambda: _get_aten_graph_module_for_pattern(
-                qu._get_quantized_qat_conv_bn_pattern(per_channel, has_bias, bias_quantized, conv_fn, bn_training),
-                inputs, is_cuda, **kwargs,
-            ),
+    for conv_fn, *flags in sorted(variants, key=lambda v: (v[0].__name__, v[1:])):
+        per_channel, has_bias, bias_quantized, bn_training = flags
+        kwargs = h._get_quantized_conv_bn_example_inputs_kwargs(per_channel, has_bias, bias_quantized, is_cuda)
+        patterns = {}
+        for kind, make in (
+            ("match", h._get_quantized_qat_conv_bn_pattern),
+            ("replacement", h._get_folded_quantized_qat_conv_bn_pattern),
+        ):
+            key = (kind, conv_fn.__name__, tuple(flags), is_cuda)
+            if key not in _PATTERN_CACHE:
+                pattern = make(per_channel, has_bias, bias_quantized, conv_fn, bn_training)
+                _PATTERN_CACHE[key] = _get_aten_graph_module_for_pattern(
+                    pattern, example_inputs[conv_fn], is_cuda, **kwargs
+                )
+            patterns[kind] = copy.deepcopy(_PATTERN_CACHE[key])
+        replacements.extend(
+            replace_pattern_with_filters(m, patterns["match"], patterns["replacement"], ignore_literals=True)
         )
-        replacement = _cached_pattern(
-            "replacement", conv_fn, flags, is_cuda,
-            lambda: _get_aten_graph_module_for_pattern(
-                qu._get_folded_quantized_qat_conv_bn_pattern(per_channel, has_bias, bias_quantized, conv_fn, bn_training),
-                inputs, is_cuda, **kwargs,
-            ),
-        )
-        replacements.extend(replace_pattern_with_filters(m, match, replacement, ignore_literals=True))
     m.recompile()
-    qu._remove_extra_dequantize(m)
+    h._remove_extra_dequantize(m)
 
     for r in replacements:
-        node_map = qu._get_conv_bn_pattern_nodes(r)
+        node_map = h._get_conv_bn_pattern_nodes(r)
         for original_node, replacement_node in node_map.values():
             replacement_node.meta = original_node.meta
-        qu._copy_over_q_dq_args(*node_map["conv_weight_q"])
-        qu._copy_over_q_dq_args(*node_map["conv_weight_dq"])
+        h._copy_over_q_dq_args(*node_map["conv_weight_q"])
+        h._copy_over_q_dq_args(*node_map["conv_weight_dq"])
         if "conv_bias_q" in node_map:
-            qu._copy_over_q_dq_args(*node_map["conv_bias_q"])
-            qu._copy_over_q_dq_args(*node_map["conv_bias_dq"])
+            h._copy_over_q_dq_args(*node_map["conv_bias_q"])
+            h._copy_over_q_dq_args(*node_map["conv_bias_dq"])
+        conv_node = node_map["conv"][1]
         conv_bias = node_map["conv_bias"][1] if "conv_bias" in node_map else None
-        fold_bn_weights_into_conv_node(node_map["conv"][1], node_map["conv_weight"][1], conv_bias, node_map["bn"][1], m)
-        for original_node in qu._filter_nodes_map(r.nodes_map).values():
-            if qu._is_conv_or_conv_transpose_node(original_node):
-                qu._copy_over_literal_conv_args(original_node, node_map["conv"][1])
+        fold_bn_weights_into_conv_node(conv_node, node_map["conv_weight"][1], conv_bias, node_map["bn"][1], m)
+        for original_node in h._filter_nodes_map(r.nodes_map).values():
+            if h._is_conv_or_conv_transpose_node(original_node):
+                h._copy_over_literal_conv_args(original_node, conv_node)
 
     for node in list(m.graph.nodes):
         if _is_bn_counter(node) and not node.users:
@@ -372,6 +411,38 @@ def _fast_fold_conv_bn_qat(m: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return m
 
 
+def _fast_fuse_conv_bn_qat(m: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """torchao's ``_fuse_conv_bn_qat`` (prepare time), run only for the conv kinds present in ``m``.
+
+    torchao runs its helper for conv1d, conv2d, conv_transpose1d and conv_transpose2d, exporting 3
+    patterns for each (12 dynamo exports, ~1 s) whatever the model holds; a helper for a conv kind
+    that is not in the graph cannot match anything.
+    """
+    import torch.nn.functional as F
+    from torchao.quantization.pt2e import qat_utils as qu
+
+    helper = getattr(qu, "_fuse_conv_bn_qat_helper", None)
+    if helper is None or not hasattr(qu, "_is_bn_node"):  # pragma: no cover - another torchao version
+        return qu._fuse_conv_bn_qat(m)
+    if not any(qu._is_bn_node(n) for n in m.graph.nodes):
+        return m
+    packets = {getattr(n.target, "overloadpacket", None) for n in m.graph.nodes if n.op == "call_function"}
+    # x, conv_weight, conv_bias, bn_weight, bn_bias, bn_running_mean, bn_running_var (as torchao's fuse)
+    inputs_1d = (torch.randn(1, 1, 3), torch.randn(1, 1, 1), *(torch.randn(1) for _ in range(5)))
+    inputs_2d = (torch.randn(1, 1, 3, 3), torch.randn(1, 1, 1, 1), *(torch.randn(1) for _ in range(5)))
+    kinds = (
+        (_aten.conv1d, F.conv1d, inputs_1d),
+        (_aten.conv2d, F.conv2d, inputs_2d),
+        (_aten.conv_transpose1d, F.conv_transpose1d, inputs_1d),
+        (_aten.conv_transpose2d, F.conv_transpose2d, inputs_2d),
+    )
+    for is_cuda in [True, False] if torch.cuda.is_available() else [False]:
+        for packet, conv_fn, inputs in kinds:
+            if packet in packets:
+                m = helper(m, conv_fn, inputs, is_cuda=is_cuda)
+    return m
+
+
 # --------------------------------------------------------------------------- the engine
 
 class Pt2eEngine(QuantEngine):
@@ -383,7 +454,7 @@ class Pt2eEngine(QuantEngine):
 
     ``spec.options``: ``dynamic_batch`` (default ``True``: dim 0 of the inputs is a ``torch.export.Dim``),
     ``fold_quantize`` (default ``True``, passed to ``convert_pt2e``), ``fast_fold`` (default
-    ``True``: the conv-bn fold described in the module docstring).
+    ``True``: the conv-bn fuse/fold described in the module docstring; ``False`` runs torchao's own).
 
     Example::
 
@@ -406,8 +477,9 @@ class Pt2eEngine(QuantEngine):
         custom_quantizer = isinstance(spec.qconfig_mapping, self.ao.Quantizer)
         if spec.qconfig_mapping is not None and not custom_quantizer:
             errors.append(
-                f"quant.qconfig_mapping: the pt2e engine takes a torchao Quantizer instance (e.g. "
-                f"X86InductorQuantizer), got {type(spec.qconfig_mapping).__name__}; use quant.engine=fx for a QConfigMapping"
+                "quant.qconfig_mapping: the pt2e engine takes a torchao Quantizer instance (e.g. "
+                f"X86InductorQuantizer), got {type(spec.qconfig_mapping).__name__}; "
+                "use quant.engine=fx for a QConfigMapping"
             )
         if spec.backend != "x86" and not custom_quantizer:
             errors.append(
@@ -417,12 +489,19 @@ class Pt2eEngine(QuantEngine):
         for attr, key in _FX_ONLY:
             if getattr(spec, attr) is not None:
                 errors.append(f"{key}: only the FX engine supports it; use quant.engine=fx or remove {key}")
-        if spec.options.get("equalization_config") is not None:
+        if spec.options.get("equalization_config") is not None or spec.options.get("equalization") is not None:
             errors.append(
                 "quant.equalization_config: only the FX engine supports it; use quant.engine=fx or remove it"
             )
         if errors:
             raise ConfigError(errors)
+
+    def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
+        try:
+            self.check_spec(spec)
+        except ConfigError as exc:
+            errors.extend(exc.problems)
+        return spec
 
     def quantizer(self, spec: QuantSpec) -> Any:
         if isinstance(spec.qconfig_mapping, self.ao.Quantizer):
@@ -491,7 +570,8 @@ class Pt2eEngine(QuantEngine):
         graph = exported.module()
         prepare = self.ao.prepare_qat_pt2e if spec.is_qat else self.ao.prepare_pt2e
         try:
-            prepared = prepare(graph, quantizer)
+            with self._patched("_fuse_conv_bn_qat", _fast_fuse_conv_bn_qat, spec.options.get("fast_fold", True)):
+                prepared = prepare(graph, quantizer)
         except Exception as exc:
             raise TraceError(
                 f"torchao {prepare.__name__} failed on {type(module).__name__} with {type(quantizer).__name__}: "
@@ -544,17 +624,18 @@ class Pt2eEngine(QuantEngine):
     # ------------------------------------------------------------------ convert
 
     @contextlib.contextmanager
-    def _fold(self, enabled: bool) -> Iterator[None]:
+    def _patched(self, name: str, replacement: Callable, enabled: bool) -> Iterator[None]:
+        """Swap the conv-bn pass ``name`` that torchao's quantize_pt2e calls, for one call."""
         target = self.ao.quantize_pt2e_module
-        if not enabled or not hasattr(target, "_fold_conv_bn_qat"):
+        if not enabled or not hasattr(target, name):
             yield
             return
-        original = target._fold_conv_bn_qat
-        target._fold_conv_bn_qat = _fast_fold_conv_bn_qat
+        original = getattr(target, name)
+        setattr(target, name, replacement)
         try:
             yield
         finally:
-            target._fold_conv_bn_qat = original
+            setattr(target, name, original)
 
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
         self.check_spec(spec)
@@ -566,7 +647,7 @@ class Pt2eEngine(QuantEngine):
             if _is_bn_counter(node) and not node.users:
                 module.graph.erase_node(node)
         module.recompile()
-        with self._fold(spec.options.get("fast_fold", True)):
+        with self._patched("_fold_conv_bn_qat", _fast_fold_conv_bn_qat, spec.options.get("fast_fold", True)):
             converted = self.ao.convert_pt2e(module, fold_quantize=spec.options.get("fold_quantize", True))
         return _install_train_eval(converted, training=False)
 
