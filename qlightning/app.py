@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from qlightning import report as reporting
 from qlightning.engines import Inputs
-from qlightning.config.build import build_callback, check_targets, instantiate_checked
+from qlightning.config.build import instantiate_checked
+from qlightning.config.validate import validate_config
 from qlightning.errors import ConfigError
 
 
@@ -50,11 +51,7 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
     """
     start = time.perf_counter()
     run_dir = Path(run_dir)
-    errors = check_targets(cfg)
-    try:
-        callback = build_callback(cfg)
-    except ConfigError as exc:
-        errors.extend(exc.problems)
+    errors, callback, _ = validate_config(cfg)
     if errors:
         raise ConfigError(errors)
 

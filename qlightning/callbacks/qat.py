@@ -15,7 +15,7 @@ from typing_extensions import override
 from qlightning.capture import example_inputs_for, resolve_targets
 from qlightning.distributed import broadcast_buffers
 from qlightning.engines import BACKENDS, ENGINES, Inputs, QuantEngine, QuantSpec, get_engine
-from qlightning.errors import ConfigError, QLightningError
+from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError
 from qlightning.schedule import MilestoneLike, Phase, Schedule
 
 STAGES = ("train", "validate", "test", "predict")
@@ -104,6 +104,9 @@ class QuantizationAwareTraining(Callback):
         observe_stages: Sequence[str] = ("train",),
         convert_on_fit_end: bool = True,
         keep_fake_quant: bool = True,
+        qconfig_presets: Optional[Mapping[str, Any]] = None,
+        equalization: Any = None,
+        trusted_modules: Sequence[str] = (),
         engine_options: Optional[Mapping[str, Any]] = None,
     ) -> None:
         errors: list[str] = []
@@ -130,13 +133,15 @@ class QuantizationAwareTraining(Callback):
             errors.append(f"observer_freeze ({freeze}): must be positive, observers need at least one step to calibrate")
         if example_inputs is not None and not isinstance(example_inputs, Mapping):
             errors.append("example_inputs: expected a mapping {module_name: tensor | tuple | dict}")
-        if errors:
-            raise ConfigError(errors)
 
         self.module_names = names
         self.backend = backend
         self._engine_arg = engine
         self._engine: Optional[QuantEngine] = None if isinstance(engine, str) else engine
+        options = dict(engine_options or {})
+        options.update(qconfig_presets=dict(qconfig_presets or {}), trusted=list(trusted_modules))
+        if equalization is not None:
+            options["equalization"] = equalization
         self.spec = QuantSpec(
             backend=backend,
             qconfig_mapping=qconfig_mapping,
@@ -144,8 +149,17 @@ class QuantizationAwareTraining(Callback):
             convert_custom_config=convert_custom_config,
             backend_config=backend_config,
             is_qat=True,
-            options=dict(engine_options or {}),
+            options=options,
         )
+        if not errors:
+            try:
+                # plain-data configs (dicts, OmegaConf nodes) become torch.ao / torchao objects here,
+                # so a typo in a qconfig fails now, not after the first epoch
+                self.spec = self.engine.resolve_spec(self.spec, errors)
+            except EngineUnavailableError:
+                pass  # raised again in setup, where the engine is needed
+        if errors:
+            raise ConfigError(errors)
         self.example_inputs = {k: _as_inputs(v) for k, v in (example_inputs or {}).items()}
         self.observe_stages = tuple(observe_stages)
         self.convert_on_fit_end = convert_on_fit_end
@@ -231,6 +245,9 @@ class QuantizationAwareTraining(Callback):
         if self.prepared:
             return
         self.targets = resolve_targets(pl_module, self.module_names, key="modules")
+        problems = self.engine.check_spec_against_model(self.spec, {n: pl_module.get_submodule(n) for n in self.targets})
+        if problems:
+            raise ConfigError(problems)
         self.inputs = example_inputs_for(
             pl_module,
             self.targets,

@@ -18,26 +18,14 @@ def validate(name_or_path: str, overrides: Sequence[str] = ()) -> list[str]:
 
     Builds the model (to check module names) but loads no data.
     """
-    from qlightning.capture import resolve_targets
-    from qlightning.config.build import build_callback, check_targets, instantiate_checked
     from qlightning.config.compose import compose_config
+    from qlightning.config.validate import validate_config
 
     try:
         cfg = compose_config(overrides, recipe=name_or_path)
     except ConfigError as exc:
         return exc.problems
-    errors = check_targets(cfg)
-    try:
-        build_callback(cfg)
-    except ConfigError as exc:
-        errors.extend(exc.problems)
-    if not errors:
-        try:
-            model = instantiate_checked(cfg.model, "model")
-            resolve_targets(model, list(cfg.quant.modules), key="quant.modules")
-        except ConfigError as exc:
-            errors.extend(exc.problems)
-    return errors
+    return validate_config(cfg)[0]
 
 
 def main(argv: Sequence[str]) -> int:

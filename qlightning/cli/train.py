@@ -53,9 +53,19 @@ def _hydra_main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+def _precheck(overrides: Sequence[str], recipe: Optional[recipes_registry.Recipe]) -> None:
+    """Compose once like Hydra will, to report every schema error at once (single runs only)."""
+    from qlightning.config.compose import compose_config
+
+    plain = [o for o in overrides if not o.startswith(("-", "recipe=", "hydra.")) and "=" in o]
+    compose_config(plain, recipe=str(recipe.path) if recipe is not None else None)
+
+
 def main(argv: Sequence[str]) -> int:
     try:
         overrides, recipe = prepare_overrides(argv)
+        if not any(a in ("-m", "--multirun", "--help", "-h", "--hydra-help", "--info") or a.startswith("--cfg") for a in argv):
+            _precheck(overrides, recipe)
     except ConfigError as exc:
         print(f"qlightning: configuration error\n{exc}", file=sys.stderr)
         return 2

@@ -40,7 +40,7 @@ def _example_inputs(node: Any, errors: list[str]) -> dict[str, Inputs]:
     return inputs
 
 
-def callback_kwargs(quant: DictConfig, errors: list[str]) -> dict[str, Any]:
+def callback_kwargs(quant: DictConfig, errors: list[str], trusted: Any = ()) -> dict[str, Any]:
     """Keyword arguments of :class:`QuantizationAwareTraining` from ``cfg.quant``."""
     return {
         "modules": list(quant.modules),
@@ -52,13 +52,25 @@ def callback_kwargs(quant: DictConfig, errors: list[str]) -> dict[str, Any]:
         "observe_stages": [_enum_value(s) for s in quant.observe_stages],
         "convert_on_fit_end": bool(quant.convert_on_fit_end),
         "example_inputs": _example_inputs(quant.example_inputs, errors),
+        "qconfig_mapping": quant.qconfig_mapping,
+        "qconfig_presets": quant.qconfig_presets,
+        "prepare_custom_config": quant.prepare if _is_set(quant.prepare) else None,
+        "convert_custom_config": quant.convert if _is_set(quant.convert) else None,
+        "equalization": quant.equalization,
+        "backend_config": quant.backend_config,
+        "trusted_modules": list(trusted),
     }
+
+
+def _is_set(node: Any) -> bool:
+    """A custom-config section with at least one non-empty entry."""
+    return any(bool(v) for v in OmegaConf.to_container(node).values())
 
 
 def build_callback(cfg: DictConfig) -> QuantizationAwareTraining:
     """The QAT callback of a config; all problems in one :class:`ConfigError` (keys prefixed ``quant.``)."""
     errors: list[str] = []
-    kwargs = callback_kwargs(cfg.quant, errors)
+    kwargs = callback_kwargs(cfg.quant, errors, cfg.get("trusted_modules", []))
     try:
         callback = QuantizationAwareTraining(**kwargs)
     except ConfigError as exc:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import difflib
+from typing import Any, Optional, Sequence
 
 from hydra import compose, initialize_config_module
+from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from qlightning import recipes_registry
 from qlightning.config import store
+from qlightning.config.schema import TrainConfig
 from qlightning.errors import ConfigError
 
 
@@ -26,14 +29,74 @@ def compose_config(overrides: Sequence[str] = (), recipe: Optional[str] = None) 
         overrides.append(f"recipe={found.name}")
     else:
         store.register()
+    try:
+        return _compose(overrides)
+    except ConfigError:
+        raise
+    except Exception as exc:  # hydra's ConfigCompositionException, OmegaConf validation errors
+        first = describe(exc)
+    # The schema stops at its first error; compose again without it and check every value alone,
+    # so the user sees all of them at once.
+    cs = ConfigStore.instance()
+    cs.store(name=store.SCHEMA_NAME, node={})
+    groups = ("data", "model", "recipe")
+    forced = [o if o.startswith(("+", "~")) or o.split("=", 1)[0] in groups else f"++{o}" for o in overrides]
+    try:
+        untyped = _compose(forced)
+    except Exception:
+        raise ConfigError(first) from None
+    finally:
+        store.register()
+    problems = schema_errors(untyped)
+    raise ConfigError(problems or [first]) from None
+
+
+def _compose(overrides: list[str]) -> DictConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="qlightning.conf", version_base="1.3"):
             return compose(config_name="train", overrides=overrides)
-    except ConfigError:
-        raise
-    except Exception as exc:  # hydra's ConfigCompositionException, OmegaConf validation errors
-        cause = exc.__cause__ or exc
-        raise ConfigError(f"{type(cause).__name__}: {cause}".strip()) from None
     finally:
         GlobalHydra.instance().clear()
+
+
+def describe(exc: BaseException) -> str:
+    """``full.key: message`` from an OmegaConf / Hydra error, without the object dump."""
+    cause = exc.__cause__ or exc
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    full_key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), "")
+    message = next((line for line in lines if not line.startswith(("full_key:", "reference_type", "object_type"))), str(cause))
+    return f"{full_key}: {message}" if full_key else message
+
+
+def _leaves(node: Any, schema: Any, path: str) -> list[tuple[str, Any]]:
+    if isinstance(node, dict) and isinstance(schema, DictConfig) and OmegaConf.get_type(schema) not in (dict, None):
+        out = []
+        for key, value in node.items():
+            child = schema._get_node(key) if key in schema else None
+            out.extend(_leaves(value, child, f"{path}.{key}" if path else str(key)))
+        return out
+    return [(path, node)]
+
+
+def schema_errors(untyped: DictConfig) -> list[str]:
+    """Check each value of an untyped config against :class:`TrainConfig` on its own."""
+    schema = OmegaConf.structured(TrainConfig)
+    container = OmegaConf.to_container(untyped, resolve=False)
+    container.pop("hydra", None)
+    problems = []
+    for path, value in _leaves(container, schema, ""):
+        nested: Any = value
+        for part in reversed(path.split(".")):
+            nested = {part: nested}
+        try:
+            OmegaConf.merge(schema, nested)
+        except Exception as exc:
+            message = describe(exc)
+            parent_path, _, key = path.rpartition(".")
+            parent = OmegaConf.select(schema, parent_path) if parent_path else schema
+            if "not in" in message and isinstance(parent, DictConfig):
+                hint = difflib.get_close_matches(key, [str(k) for k in parent.keys()], n=1)
+                message += f" (did you mean {hint[0]!r}?)" if hint else f"; valid keys: {sorted(parent.keys())}"
+            problems.append(message)
+    return problems

@@ -60,6 +60,28 @@ class ExampleInputConf:
 
 
 @dataclass
+class PrepareConf:
+    """FX prepare custom config: what not to trace, standalone and custom modules (names relative to each quantized module)."""
+
+    non_traceable_module_names: List[str] = field(default_factory=list)
+    non_traceable_module_classes: List[str] = field(default_factory=list)
+    standalone_module_names: List[str] = field(default_factory=list)
+    standalone_module_classes: List[str] = field(default_factory=list)
+    float_to_observed: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    input_quantized_indexes: List[int] = field(default_factory=list)
+    output_quantized_indexes: List[int] = field(default_factory=list)
+    preserved_attributes: List[str] = field(default_factory=list)
+
+
+@dataclass
+class ConvertConf:
+    """FX convert custom config: observed -> quantized custom module classes per quant type."""
+
+    observed_to_quantized: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    preserved_attributes: List[str] = field(default_factory=list)
+
+
+@dataclass
 class QuantConf:
     """What to quantize, how, and when."""
 
@@ -70,6 +92,14 @@ class QuantConf:
     observe_stages: List[Stage] = field(default_factory=lambda: [Stage.train])
     convert_on_fit_end: bool = True
     example_inputs: Dict[str, ExampleInputConf] = field(default_factory=dict)
+    # null: the backend's default QAT mapping. Else {global, object_type, module_name,
+    # module_name_regex, module_name_object_type_order}; each qconfig a preset name, null or a mapping.
+    qconfig_mapping: Optional[Any] = None
+    qconfig_presets: Dict[str, Any] = field(default_factory=dict)
+    prepare: PrepareConf = field(default_factory=PrepareConf)
+    convert: ConvertConf = field(default_factory=ConvertConf)
+    equalization: Optional[Any] = None
+    backend_config: Optional[str] = None
 
 
 @dataclass

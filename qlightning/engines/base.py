@@ -76,6 +76,17 @@ class QuantEngine(ABC):
     def quant_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Every buffer that belongs to an observer or fake-quant (statistics, scales, zero points, flags)."""
 
+    def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
+        """Turn plain-data parts of ``spec`` (dicts from a config) into the engine's native objects.
+
+        Problems are appended to ``errors``; the default accepts native objects only.
+        """
+        return spec
+
+    def check_spec_against_model(self, spec: QuantSpec, modules: dict[str, nn.Module]) -> list[str]:
+        """Config entries that name nothing in the modules about to be prepared."""
+        return []
+
     def is_prepared(self, module: nn.Module) -> bool:
         return any(True for _ in self.quant_state(module))
 

@@ -8,6 +8,7 @@ torch lacks it, constructing :class:`FxEngine` raises a clear
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import warnings
 from types import SimpleNamespace
@@ -87,6 +88,46 @@ class FxEngine(QuantEngine):
             "onednn": self.ao.get_onednn_backend_config,
         }
 
+    def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
+        from dataclasses import replace
+
+        from qlightning.config.qconfig import QConfigBuilder
+
+        def is_data(value: Any) -> bool:
+            return value is None or isinstance(value, (str, dict, list)) or type(value).__module__.startswith("omegaconf")
+
+        builder = QConfigBuilder(
+            spec.backend, spec.is_qat, presets=spec.options.get("qconfig_presets"), trusted=spec.options.get("trusted", ())
+        )
+        data = {}
+        resolved = {}
+        for name, build, key in (
+            ("qconfig_mapping", builder.qconfig_mapping, "qconfig_mapping"),
+            ("prepare_custom_config", builder.prepare_custom_config, "prepare"),
+            ("convert_custom_config", builder.convert_custom_config, "convert"),
+        ):
+            value = getattr(spec, name)
+            if is_data(value) and value is not None:
+                data[key] = value
+                resolved[name] = build(value, f"quant.{key}", errors)
+        if isinstance(spec.backend_config, str):
+            resolved["backend_config"] = builder.backend_config(spec.backend_config, "quant.backend_config", errors)
+        options = dict(spec.options)
+        equalization = options.pop("equalization", None)
+        if equalization is not None:
+            if spec.is_qat:
+                errors.append("quant.equalization: input-weight equalization is applied by FX prepare_fx (PTQ) only; "
+                              "prepare_qat_fx has no equalization config. Use it with PostTrainingQuantization.")
+            else:
+                options["equalization_config"] = builder.equalization_mapping(equalization, "quant.equalization", errors) if is_data(equalization) else equalization
+        options["plain"] = data
+        return replace(spec, options=options, **resolved)
+
+    def check_spec_against_model(self, spec: QuantSpec, modules: dict[str, nn.Module]) -> list[str]:
+        from qlightning.config.qconfig import check_against_model
+
+        return check_against_model(modules, spec.options.get("plain", {}))
+
     def default_qconfig_mapping(self, spec: QuantSpec) -> Any:
         with quiet_torch_ao():
             if spec.is_qat:
@@ -112,7 +153,7 @@ class FxEngine(QuantEngine):
         kwargs: dict[str, Any] = {
             "qconfig_mapping": mapping,
             "example_inputs": self.positional_inputs(module, inputs),
-            "prepare_custom_config": spec.prepare_custom_config,
+            "prepare_custom_config": self._with_standalone_inputs(module, inputs, spec.prepare_custom_config),
             "backend_config": self.backend_config(spec),
         }
         if not spec.is_qat and spec.options.get("equalization_config") is not None:
@@ -126,6 +167,33 @@ class FxEngine(QuantEngine):
                 "Quantize a smaller submodule that traces (quant.modules), skip the part that does not "
                 "(quant.prepare.non_traceable_module_names / _classes), or run `qlightning doctor` for a diagnosis."
             ) from exc
+
+    def _with_standalone_inputs(self, module: nn.Module, inputs: Inputs, config: Any) -> Any:
+        """Standalone modules are prepared with their own example inputs: capture them from a real forward."""
+        if config is None:
+            return None
+        from dataclasses import replace
+
+        from qlightning.capture import capture_inputs
+
+        wanted = [n for n, e in config.standalone_module_names.items() if e.example_inputs is None]
+        by_class = {cls: next((n for n, m in module.named_modules() if isinstance(m, cls)), None)
+                    for cls, e in config.standalone_module_classes.items() if e.example_inputs is None}
+        targets = sorted(set(wanted) | {n for n in by_class.values() if n})
+        if not targets:
+            return config
+        seen = capture_inputs(module, targets, lambda: module(*inputs.args, **inputs.kwargs))
+        config = copy.copy(config)
+        config.standalone_module_names = {
+            n: replace(e, example_inputs=self.positional_inputs(module.get_submodule(n), seen[n])) if n in seen else e
+            for n, e in config.standalone_module_names.items()
+        }
+        config.standalone_module_classes = {
+            c: replace(e, example_inputs=self.positional_inputs(module.get_submodule(by_class[c]), seen[by_class[c]]))
+            if by_class.get(c) in seen else e
+            for c, e in config.standalone_module_classes.items()
+        }
+        return config
 
     def _quant_modules(self, module: nn.Module) -> Iterator[nn.Module]:
         for m in module.modules():
