@@ -23,6 +23,8 @@ from qlightning.config.schema import SCHEMA_VERSION
 from qlightning.errors import ConfigError
 
 ENTRY_POINT_GROUP = "qlightning.recipes"
+# What each schema version changed, so a recipe of another version gets told what to fix.
+SCHEMA_CHANGES = {1: "the first schema (quant.*, trainer.*, data, model, checkpoint, report, export, parity)"}
 # Keys a recipe may not set: they would widen the allowlist or reach into Hydra itself
 # (hydra.callbacks and hydra.job.env_set can run code or change the environment).
 FORBIDDEN_KEYS = ("trusted_modules", "hydra", "defaults")
@@ -93,10 +95,11 @@ def load(recipe: Recipe, user_trusted: Iterable[str] = ()) -> DictConfig:
     errors += check_class_paths(node, user_trusted, source=where)
     version = node.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
-        errors.append(
-            f"{where}: schema_version={version!r}, this qlightning reads schema_version {SCHEMA_VERSION}"
-            + (" (version 1 is the first schema; nothing older exists)" if isinstance(version, int) and version < 1 else "")
-        )
+        if isinstance(version, int) and version > SCHEMA_VERSION:
+            what = f"it was written for a newer qlightning; upgrade qlightning, or rewrite it for version {SCHEMA_VERSION}"
+        else:
+            what = "; ".join(f"version {v}: {change}" for v, change in SCHEMA_CHANGES.items())
+        errors.append(f"{where}: schema_version={version!r}, this qlightning reads schema_version {SCHEMA_VERSION} ({what})")
     if errors:
         raise ConfigError(errors)
     return node

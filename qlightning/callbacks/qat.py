@@ -195,6 +195,13 @@ class QuantizationAwareTraining(Callback):
             )
         if self.prepared:
             return
+        if stage == "fit" and getattr(trainer.strategy, "_start_method", None) in ("spawn", "fork", "forkserver"):
+            raise ConfigError(
+                f"strategy: QuantizationAwareTraining does not support spawn-based strategies (ddp_spawn, ddp_fork, "
+                f"ddp_notebook; this one starts processes with {trainer.strategy._start_method!r}): Lightning copies "
+                "rank 0's final weights back into the main process's model, which was never prepared nor converted, "
+                "and FX-prepared modules cannot be pickled. Use strategy='ddp'."
+            )
         if stage != "fit":
             # validate/test/predict(ckpt_path=<a QAT checkpoint>): prepare when Lightning hands the
             # checkpoint to LightningModule.on_load_checkpoint, just before it loads the weights.
@@ -311,6 +318,9 @@ class QuantizationAwareTraining(Callback):
 
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Lightning validates at an epoch's end *before* on_train_epoch_end: give every rank rank 0's
+        # observer/BN state so validation measures the model that is checkpointed and converted
+        self._sync(trainer, pl_module)
         self._evaluation(pl_module, "validate", True)
 
     @override
@@ -341,7 +351,7 @@ class QuantizationAwareTraining(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # before ModelCheckpoint saves (it runs after callbacks registered earlier) and before validation
+        # before ModelCheckpoint saves (it runs after callbacks registered earlier); validation already ran
         self._sync(trainer, pl_module)
 
     @override

@@ -28,12 +28,39 @@ def validate(name_or_path: str, overrides: Sequence[str] = ()) -> list[str]:
     return validate_config(cfg)[0]
 
 
+def from_checkpoint(path: str) -> str:
+    """The resolved config, recipe identity and library versions stored in a QAT checkpoint, as YAML."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from qlightning.checkpoint import qat_state
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"--from {path!r}: no such file") from None
+    try:
+        provenance = dict(qat_state(checkpoint).get("provenance") or {})
+    except Exception as exc:
+        raise ConfigError(f"--from {path!r}: {exc}") from None
+    if not provenance:
+        raise ConfigError(f"--from {path!r}: the checkpoint carries no provenance (trained through the Python API?)")
+    config = provenance.pop("config", {})
+    header = [f"# recovered from {path}"]
+    recipe = provenance.get("recipe") or {}
+    if recipe:
+        header.append(f"# recipe {recipe.get('name')} ({recipe.get('origin')}), sha256 {recipe.get('sha256')}")
+    header.append("# versions: " + ", ".join(f"{k} {v}" for k, v in (provenance.get("versions") or {}).items()))
+    return "\n".join(header) + "\n" + OmegaConf.to_yaml(OmegaConf.create(config))
+
+
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="qlightning recipes", description="Shared recipes: list, show, validate, copy, diff.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="every recipe with where it comes from and the command that runs it")
-    show = sub.add_parser("show", help="print a recipe")
-    show.add_argument("recipe")
+    show = sub.add_parser("show", help="print a recipe, or with --from the resolved config a checkpoint was trained with")
+    show.add_argument("recipe", nargs="?")
+    show.add_argument("--from", dest="checkpoint", help="a checkpoint written by a QAT run")
     val = sub.add_parser("validate", help="check a recipe without training; exit 1 on any problem")
     val.add_argument("recipe")
     val.add_argument("overrides", nargs="*", help="extra Hydra overrides, as for `qlightning train`")
@@ -48,7 +75,11 @@ def main(argv: Sequence[str]) -> int:
         if args.command == "list":
             for name, recipe in sorted(recipes_registry.discover().items()):
                 print(f"{name:28s} {recipe.origin:12s} {recipe.command}")
+        elif args.command == "show" and args.checkpoint:
+            print(from_checkpoint(args.checkpoint), end="")
         elif args.command == "show":
+            if not args.recipe:
+                parser.error("show needs a recipe name or --from CHECKPOINT")
             print(recipes_registry.find(args.recipe).text, end="")
         elif args.command == "validate":
             problems = validate(args.recipe, args.overrides)

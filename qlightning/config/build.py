@@ -26,15 +26,20 @@ def _milestone(node: Any) -> Any:
 
 def _example_inputs(node: Any, errors: list[str]) -> dict[str, Inputs]:
     inputs = {}
-    for name, spec in (node or {}).items():
-        dtype = getattr(torch, str(spec.dtype), None)
+    for name, spec in (OmegaConf.to_container(node) if node is not None else {}).items():
+        key = f"quant.example_inputs.{name}"
+        if not isinstance(spec, dict) or set(spec) - {"shape", "dtype"} or "shape" not in spec:
+            errors.append(f"{key}={spec!r}: expected {{shape: [sizes], dtype: float32}}")
+            continue
+        dtype = getattr(torch, str(spec.get("dtype", "float32")), None)
         if not isinstance(dtype, torch.dtype):
-            errors.append(f"quant.example_inputs.{name}.dtype={spec.dtype!r}: not a torch dtype (e.g. float32, int64)")
+            errors.append(f"{key}.dtype={spec.get('dtype')!r}: not a torch dtype (e.g. float32, int64)")
             continue
-        if not spec.shape or any(int(d) < 1 for d in spec.shape):
-            errors.append(f"quant.example_inputs.{name}.shape={list(spec.shape)}: give positive sizes, e.g. [1, 1, 8, 8]")
+        shape_ok = isinstance(spec["shape"], list) and spec["shape"] and all(isinstance(d, int) and d >= 1 for d in spec["shape"])
+        if not shape_ok:
+            errors.append(f"{key}.shape={spec['shape']!r}: give positive sizes, e.g. [1, 1, 8, 8]")
             continue
-        shape = [int(d) for d in spec.shape]
+        shape = list(spec["shape"])
         tensor = torch.zeros(shape, dtype=dtype) if not dtype.is_floating_point else torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
         inputs[str(name)] = Inputs((tensor,))
     return inputs

@@ -180,7 +180,16 @@ class QConfigBuilder:
                 )
         if "eps" in kwargs:
             kwargs["eps"] = float(kwargs["eps"])
-        fake_quant = spec.get("fake_quant", "fused_moving_avg" if self.is_qat else None)
+        dtype = kwargs.get("dtype", torch.quint8)
+        if qmin is None and isinstance(dtype, torch.dtype) and not dtype.is_floating_point and dtype != torch.quint4x2:
+            # fake-quant classes default to [0, 255]; derive the range from the dtype instead
+            info = torch.iinfo(dtype)
+            kwargs["quant_min"], kwargs["quant_max"] = info.min, info.max
+        moving_average = observer_name in ("moving_average_minmax", "moving_average_per_channel_minmax")
+        fake_quant = spec.get("fake_quant", ("fused_moving_avg" if moving_average else "fake_quantize") if self.is_qat else None)
+        if fake_quant == "fused_moving_avg" and not moving_average and self.is_qat:
+            errors.append(f"{key}: fake_quant fused_moving_avg works only with the moving_average_* observers, got "
+                          f"{observer_name!r}; use fake_quant: fake_quantize")
         if len(errors) > n_err or observer_cls is None:
             return None
         if fake_quant is None or not self.is_qat:
@@ -245,10 +254,11 @@ class QConfigBuilder:
         unknown = sorted(set(spec) - set(MAPPING_KEYS))
         if unknown:
             errors.append(f"{key}: unknown key(s) {unknown}; valid: {list(MAPPING_KEYS)}")
-        if self.is_qat and spec.get("global", "default") == "default" and len(spec) <= 1:
-            # the backend's own default mapping (fixed-qparams ops such as sigmoid included)
-            return (self.tq.get_default_qat_qconfig_mapping if self.is_qat else self.tq.get_default_qconfig_mapping)(self.backend)
-        mapping.set_global(self.qconfig(spec.get("global", "default"), f"{key}.global", errors))
+        if spec.get("global", "default") == "default":
+            # start from the backend's own default mapping (fixed-qparams ops such as sigmoid included)
+            mapping = (self.tq.get_default_qat_qconfig_mapping if self.is_qat else self.tq.get_default_qconfig_mapping)(self.backend)
+        else:
+            mapping.set_global(self.qconfig(spec.get("global"), f"{key}.global", errors))
         for i, item in enumerate(spec.get("object_type") or []):
             k = f"{key}.object_type[{i}]"
             if not isinstance(item, Mapping) or set(item) != {"type", "qconfig"}:
@@ -308,9 +318,10 @@ class QConfigBuilder:
                 config.set_standalone_module_class(cls, None, None, None, None)  # type: ignore[arg-type]
         for quant_type, pairs in (spec.get("float_to_observed") or {}).items():
             qt = self._quant_type(quant_type, f"{key}.float_to_observed", errors)
-            for float_path, observed_path in (pairs or {}).items():
-                f = resolve_reference(float_path, f"{key}.float_to_observed.{quant_type}", errors, self.trusted)
-                o = resolve_reference(observed_path, f"{key}.float_to_observed.{quant_type}.{float_path}", errors, self.trusted)
+            for i, (f_path, o_path) in enumerate(_pairs(pairs, ("float", "observed"), f"{key}.float_to_observed.{quant_type}", errors)):
+                k = f"{key}.float_to_observed.{quant_type}[{i}]"
+                f = resolve_reference(f_path, f"{k}.float", errors, self.trusted)
+                o = resolve_reference(o_path, f"{k}.observed", errors, self.trusted)
                 if f is not None and o is not None and qt is not None:
                     config.set_float_to_observed_mapping(f, o, qt)
         config.set_input_quantized_indexes(list(spec.get("input_quantized_indexes") or []))
@@ -325,9 +336,10 @@ class QConfigBuilder:
         config = ConvertCustomConfig()
         for quant_type, pairs in (spec.get("observed_to_quantized") or {}).items():
             qt = self._quant_type(quant_type, f"{key}.observed_to_quantized", errors)
-            for observed_path, quantized_path in (pairs or {}).items():
-                o = resolve_reference(observed_path, f"{key}.observed_to_quantized.{quant_type}", errors, self.trusted)
-                q = resolve_reference(quantized_path, f"{key}.observed_to_quantized.{quant_type}.{observed_path}", errors, self.trusted)
+            for i, (o_path, q_path) in enumerate(_pairs(pairs, ("observed", "quantized"), f"{key}.observed_to_quantized.{quant_type}", errors)):
+                k = f"{key}.observed_to_quantized.{quant_type}[{i}]"
+                o = resolve_reference(o_path, f"{k}.observed", errors, self.trusted)
+                q = resolve_reference(q_path, f"{k}.quantized", errors, self.trusted)
                 if o is not None and q is not None and qt is not None:
                     config.set_observed_to_quantized_mapping(o, q, qt)
         config.set_preserved_attributes(list(spec.get("preserved_attributes") or []))
@@ -392,6 +404,19 @@ def supported_backends(qconfig: Any, module_types: Iterable[type], backends: Ite
     return ok
 
 
+def _pairs(items: Any, fields: tuple[str, str], key: str, errors: list[str]) -> list[tuple[str, str]]:
+    """``[{float: A, observed: B}, ...]`` (or a plain ``{A: B}`` mapping from Python) as pairs."""
+    if isinstance(items, Mapping):
+        return [(str(a), str(b)) for a, b in items.items()]
+    out = []
+    for i, item in enumerate(items or []):
+        if not isinstance(item, Mapping) or set(item) != set(fields):
+            errors.append(f"{key}[{i}]: expected {{{fields[0]}: <class path>, {fields[1]}: <class path>}}")
+            continue
+        out.append((str(item[fields[0]]), str(item[fields[1]])))
+    return out
+
+
 def _names(modules: Mapping[str, torch.nn.Module]) -> list[str]:
     return sorted({n for m in modules.values() for n, _ in m.named_modules() if n})
 
@@ -443,7 +468,7 @@ def check_against_model(modules: Mapping[str, torch.nn.Module], spec: Mapping[st
             if isinstance(cls, type) and not any(issubclass(t, cls) for t in types):
                 errors.append(f"{prefix}.prepare.{key}[{i}]={path!r}: no module of this class in {sorted(modules)}")
     for quant_type, pairs in (prepare.get("float_to_observed") or {}).items():
-        for float_path in pairs or {}:
+        for float_path, _ in _pairs(pairs, ("float", "observed"), "", []):
             cls = resolve_reference(float_path, "", [], object_type=True)
             if isinstance(cls, type) and not any(issubclass(t, cls) for t in types):
                 errors.append(f"{prefix}.prepare.float_to_observed.{quant_type}: custom module class {float_path!r} "

@@ -38,131 +38,127 @@ class Stage(str, Enum):
 class MilestoneConf:
     """A point in training: ``epoch`` or ``step`` (set one; both null = never / from the start)."""
 
-    epoch: Optional[int] = None
-    step: Optional[int] = None
+    epoch: Optional[int] = field(default=None, metadata={"help": "reached when this epoch starts (0-based)"})
+    step: Optional[int] = field(default=None, metadata={"help": "reached when this global step is about to run (0-based)"})
 
 
 @dataclass
 class ScheduleConf:
     """When fake-quant starts, observers freeze and BatchNorm statistics freeze."""
 
-    fake_quant_start: MilestoneConf = field(default_factory=lambda: MilestoneConf(epoch=3))
-    observer_freeze: MilestoneConf = field(default_factory=lambda: MilestoneConf(epoch=6))
-    bn_freeze: MilestoneConf = field(default_factory=lambda: MilestoneConf(epoch=6))
+    fake_quant_start: MilestoneConf = field(default_factory=lambda: MilestoneConf(epoch=3), metadata={"help": "when fake-quant turns on; before it, float warm-up with observers running; both null = from the start"})
+    observer_freeze: MilestoneConf = field(default_factory=lambda: MilestoneConf(epoch=6), metadata={"help": "when observers stop updating scales/zero points (learnable qparams are learned from here); both null = never"})
+    bn_freeze: MilestoneConf = field(default_factory=lambda: MilestoneConf(epoch=6), metadata={"help": "when BatchNorm running statistics freeze; both null = never"})
 
 
 @dataclass
 class ExampleInputConf:
     """A synthetic example input for one submodule, when neither the model nor a batch provides one."""
 
-    shape: List[int] = field(default_factory=list)
-    dtype: str = "float32"
+    shape: List[int] = field(default_factory=list, metadata={"help": "shape of a synthetic input tensor for this submodule"})
+    dtype: str = field(default="float32", metadata={"help": "its torch dtype (float32, int64, ...)"})
 
 
 @dataclass
 class PrepareConf:
     """FX prepare custom config: what not to trace, standalone and custom modules (names relative to each quantized module)."""
 
-    non_traceable_module_names: List[str] = field(default_factory=list)
-    non_traceable_module_classes: List[str] = field(default_factory=list)
-    standalone_module_names: List[str] = field(default_factory=list)
-    standalone_module_classes: List[str] = field(default_factory=list)
-    float_to_observed: Dict[str, Dict[str, str]] = field(default_factory=dict)
-    input_quantized_indexes: List[int] = field(default_factory=list)
-    output_quantized_indexes: List[int] = field(default_factory=list)
-    preserved_attributes: List[str] = field(default_factory=list)
+    non_traceable_module_names: List[str] = field(default_factory=list, metadata={"help": "submodules (relative names) FX must not trace; they run in float inside the quantized graph"})
+    non_traceable_module_classes: List[str] = field(default_factory=list, metadata={"help": "classes (dotted paths) FX must not trace"})
+    standalone_module_names: List[str] = field(default_factory=list, metadata={"help": "submodules prepared and quantized as one unit with their own example inputs (captured automatically)"})
+    standalone_module_classes: List[str] = field(default_factory=list, metadata={"help": "classes prepared as standalone modules"})
+    float_to_observed: Dict[str, List[Dict[str, str]]] = field(default_factory=dict, metadata={"help": "custom modules per quant type (static, dynamic, weight_only): [{float: class path, observed: class path}]"})
+    input_quantized_indexes: List[int] = field(default_factory=list, metadata={"help": "graph inputs that arrive already quantized"})
+    output_quantized_indexes: List[int] = field(default_factory=list, metadata={"help": "graph outputs that stay quantized"})
+    preserved_attributes: List[str] = field(default_factory=list, metadata={"help": "attributes kept on the prepared GraphModule"})
 
 
 @dataclass
 class ConvertConf:
     """FX convert custom config: observed -> quantized custom module classes per quant type."""
 
-    observed_to_quantized: Dict[str, Dict[str, str]] = field(default_factory=dict)
-    preserved_attributes: List[str] = field(default_factory=list)
+    observed_to_quantized: Dict[str, List[Dict[str, str]]] = field(default_factory=dict, metadata={"help": "custom modules per quant type: [{observed: class path, quantized: class path}]"})
+    preserved_attributes: List[str] = field(default_factory=list, metadata={"help": "attributes kept on the converted GraphModule"})
 
 
 @dataclass
 class QuantConf:
     """What to quantize, how, and when."""
 
-    engine: EngineName = EngineName.fx
-    backend: Backend = Backend.x86
-    modules: List[str] = field(default_factory=lambda: ["net"])
-    schedule: ScheduleConf = field(default_factory=ScheduleConf)
-    observe_stages: List[Stage] = field(default_factory=lambda: [Stage.train])
-    convert_on_fit_end: bool = True
-    example_inputs: Dict[str, ExampleInputConf] = field(default_factory=dict)
-    # null: the backend's default QAT mapping. Else {global, object_type, module_name,
-    # module_name_regex, module_name_object_type_order}; each qconfig a preset name, null or a mapping.
-    qconfig_mapping: Optional[Any] = None
-    qconfig_presets: Dict[str, Any] = field(default_factory=dict)
-    prepare: PrepareConf = field(default_factory=PrepareConf)
-    convert: ConvertConf = field(default_factory=ConvertConf)
-    equalization: Optional[Any] = None
-    backend_config: Optional[str] = None
+    engine: EngineName = field(default=EngineName.fx, metadata={"help": "fx (torch.ao FX graph mode) or pt2e (torchao, torch.export based)"})
+    backend: Backend = field(default=Backend.x86, metadata={"help": "int8 kernels to lower for: x86, fbgemm, qnnpack, onednn"})
+    modules: List[str] = field(default_factory=lambda: ["net"], metadata={"help": "submodules of the LightningModule to quantize (names or glob patterns), each prepared and converted on its own"})
+    schedule: ScheduleConf = field(default_factory=ScheduleConf, metadata={"help": "fake-quant start, observer freeze, BatchNorm freeze"})
+    observe_stages: List[Stage] = field(default_factory=lambda: [Stage.train], metadata={"help": "stages in which observers update: train, validate, test, predict"})
+    convert_on_fit_end: bool = field(default=True, metadata={"help": "convert to int8 when fit ends (false: keep the fake-quant model)"})
+    example_inputs: Dict[str, Any] = field(default_factory=dict, metadata={"help": "{submodule: {shape: [...], dtype: float32}} (set with +quant.example_inputs.NAME=...) when neither example_input_array nor a training batch provides inputs"})
+    qconfig_mapping: Optional[Any] = field(default=None, metadata={"help": "null = the backend's default QAT mapping; else {global, object_type, module_name, module_name_regex, module_name_object_type_order}, each qconfig a preset name, null (do not quantize) or {activation, weight}"})
+    qconfig_presets: Dict[str, Any] = field(default_factory=dict, metadata={"help": "extra named qconfigs ({name: {activation, weight}}) usable wherever a preset name is"})
+    prepare: PrepareConf = field(default_factory=PrepareConf, metadata={"help": "FX prepare custom config"})
+    convert: ConvertConf = field(default_factory=ConvertConf, metadata={"help": "FX convert custom config"})
+    equalization: Optional[Any] = field(default=None, metadata={"help": "input-weight equalization (FX prepare_fx, PTQ only): a list of module names or {global: true}"})
+    backend_config: Optional[str] = field(default=None, metadata={"help": "null = the backend's own; or x86, fbgemm, qnnpack, onednn, native, executorch"})
 
 
 @dataclass
 class TrainerConf:
     """Arguments passed to ``lightning.pytorch.Trainer`` (a typed subset; typos fail early)."""
 
-    max_epochs: int = 8
-    max_steps: int = -1
-    accelerator: str = "cpu"
-    devices: Any = 1
-    num_nodes: int = 1
-    strategy: str = "auto"
-    precision: Any = "32-true"
-    log_every_n_steps: int = 10
-    limit_train_batches: Optional[Any] = None
-    limit_val_batches: Optional[Any] = None
-    limit_test_batches: Optional[Any] = None
-    val_check_interval: Optional[Any] = None
-    check_val_every_n_epoch: Optional[int] = 1
-    num_sanity_val_steps: int = 2
-    gradient_clip_val: Optional[float] = None
-    accumulate_grad_batches: int = 1
-    enable_progress_bar: bool = True
-    enable_model_summary: bool = True
-    deterministic: Optional[Any] = None
-    benchmark: Optional[bool] = None
+    max_epochs: int = field(default=8, metadata={"help": "Trainer max_epochs"})
+    max_steps: int = field(default=-1, metadata={"help": "Trainer max_steps (-1: no limit)"})
+    accelerator: str = field(default="cpu", metadata={"help": "cpu, gpu, auto, ..."})
+    devices: Any = field(default=1, metadata={"help": "number or list of devices"})
+    num_nodes: int = field(default=1, metadata={"help": "nodes for multi-node DDP"})
+    strategy: str = field(default="auto", metadata={"help": "auto, ddp, ddp_spawn, ..."})
+    precision: Any = field(default="32-true", metadata={"help": "Trainer precision"})
+    log_every_n_steps: int = field(default=10, metadata={"help": "logging interval"})
+    limit_train_batches: Optional[Any] = field(default=None, metadata={"help": "fraction or count of training batches per epoch"})
+    limit_val_batches: Optional[Any] = field(default=None, metadata={"help": "fraction or count of validation batches"})
+    limit_test_batches: Optional[Any] = field(default=None, metadata={"help": "fraction or count of test batches (also for the report)"})
+    val_check_interval: Optional[Any] = field(default=None, metadata={"help": "validation interval within an epoch"})
+    check_val_every_n_epoch: Optional[int] = field(default=1, metadata={"help": "validate every n epochs"})
+    num_sanity_val_steps: int = field(default=2, metadata={"help": "sanity-check validation batches"})
+    gradient_clip_val: Optional[float] = field(default=None, metadata={"help": "gradient clipping value"})
+    accumulate_grad_batches: int = field(default=1, metadata={"help": "gradient accumulation"})
+    enable_progress_bar: bool = field(default=True, metadata={"help": "Lightning's progress bar"})
+    enable_model_summary: bool = field(default=True, metadata={"help": "model summary at fit start"})
+    deterministic: Optional[Any] = field(default=None, metadata={"help": "torch deterministic algorithms (int8 kernels have none: keep null on CPU)"})
+    benchmark: Optional[bool] = field(default=None, metadata={"help": "cudnn benchmark"})
 
 
 @dataclass
 class CheckpointConf:
     """``ModelCheckpoint`` settings; checkpoints land in ``<run dir>/checkpoints``."""
 
-    every_n_epochs: Optional[int] = 1
-    every_n_train_steps: Optional[int] = None
-    save_last: bool = True
-    save_top_k: int = 1
+    every_n_epochs: Optional[int] = field(default=1, metadata={"help": "save a checkpoint every n epochs"})
+    every_n_train_steps: Optional[int] = field(default=None, metadata={"help": "save every n training steps (mid-epoch resume)"})
+    save_last: bool = field(default=True, metadata={"help": "keep checkpoints/last.ckpt"})
+    save_top_k: int = field(default=1, metadata={"help": "how many periodic checkpoints to keep (-1: all)"})
 
 
 @dataclass
 class ReportConf:
     """The float / fake-quant / int8 comparison written after fit."""
 
-    enabled: bool = True
-    latency_batch_size: int = 32
-    latency_repeats: int = 30
-    latency_threads: Optional[int] = None
+    enabled: bool = field(default=True, metadata={"help": "evaluate fp32 / fake-quant / int8 on the test set and write report.json/md"})
+    latency_batch_size: int = field(default=32, metadata={"help": "batch size of the latency measurement (real test inputs)"})
+    latency_repeats: int = field(default=30, metadata={"help": "repeats; the median is reported"})
+    latency_threads: Optional[int] = field(default=None, metadata={"help": "torch threads while timing (null: unchanged)"})
 
 
 @dataclass
 class TrainConfig:
     """The whole `qlightning train` configuration."""
 
-    schema_version: int = SCHEMA_VERSION
-    seed: int = 0
-    ckpt_path: Optional[str] = None
-    data: Dict[str, Any] = field(default_factory=dict)
-    model: Dict[str, Any] = field(default_factory=dict)
-    quant: QuantConf = field(default_factory=QuantConf)
-    trainer: TrainerConf = field(default_factory=TrainerConf)
-    checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
-    report: ReportConf = field(default_factory=ReportConf)
-    export: ExportConf = field(default_factory=ExportConf)
-    parity: ParityConf = field(default_factory=ParityConf)
-    # Extra module prefixes whose classes `_target_` may name. Set on the command line or in
-    # QLIGHTNING_TRUSTED_MODULES, never by a recipe.
-    trusted_modules: List[str] = field(default_factory=list)
+    schema_version: int = field(default=SCHEMA_VERSION, metadata={"help": "version of this schema a recipe was written for"})
+    seed: int = field(default=0, metadata={"help": "seeds data split, init and shuffling"})
+    ckpt_path: Optional[str] = field(default=None, metadata={"help": "resume from this checkpoint"})
+    data: Dict[str, Any] = field(default_factory=dict, metadata={"help": "_target_ data module class + its arguments"})
+    model: Dict[str, Any] = field(default_factory=dict, metadata={"help": "_target_ LightningModule class + its arguments"})
+    quant: QuantConf = field(default_factory=QuantConf, metadata={"help": "what to quantize, how and when"})
+    trainer: TrainerConf = field(default_factory=TrainerConf, metadata={"help": "Trainer arguments (typed subset)"})
+    checkpoint: CheckpointConf = field(default_factory=CheckpointConf, metadata={"help": "ModelCheckpoint settings"})
+    report: ReportConf = field(default_factory=ReportConf, metadata={"help": "the float / fake-quant / int8 report"})
+    export: ExportConf = field(default_factory=ExportConf, metadata={"help": "exported artifacts"})
+    parity: ParityConf = field(default_factory=ParityConf, metadata={"help": "the fake-vs-real parity gate"})
+    trusted_modules: List[str] = field(default_factory=list, metadata={"help": "module prefixes whose classes _target_ may name, beyond torch/torchao/torchmetrics/lightning/qlightning; command line or QLIGHTNING_TRUSTED_MODULES only, never a recipe"})

@@ -79,6 +79,10 @@ class FxEngine(QuantEngine):
 
     name = "fx"
 
+    def __reduce__(self) -> tuple:
+        # stateless apart from the torch modules it imports: pickle as "make a new one"
+        return (type(self), ())
+
     def __init__(self) -> None:
         self.ao = load_torch_ao()
         self._backend_configs = {
@@ -148,6 +152,7 @@ class FxEngine(QuantEngine):
     def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
         quantized_engine(spec.backend)
         mapping = spec.qconfig_mapping if spec.qconfig_mapping is not None else self.default_qconfig_mapping(spec)
+        mapping = self._expand_regex(module, mapping)
         prepare = self.ao.prepare_qat_fx if spec.is_qat else self.ao.prepare_fx
         module.train(spec.is_qat)
         kwargs: dict[str, Any] = {
@@ -167,6 +172,29 @@ class FxEngine(QuantEngine):
                 "Quantize a smaller submodule that traces (quant.modules), skip the part that does not "
                 "(quant.prepare.non_traceable_module_names / _classes), or run `qlightning doctor` for a diagnosis."
             ) from exc
+
+    @staticmethod
+    def _expand_regex(module: nn.Module, mapping: Any) -> Any:
+        """Also give each submodule a regex matches its own ``module_name`` entry.
+
+        torch.ao applies ``module_name_regex`` qconfigs when it inserts observers but not when it
+        swaps fused modules for their QAT versions, so a fused conv-bn-relu kept the global
+        weight fake-quant. Explicit ``module_name`` entries keep their priority.
+        """
+        if not getattr(mapping, "module_name_regex_qconfigs", None):
+            return mapping
+        import re
+
+        mapping = copy.copy(mapping)
+        mapping.module_name_qconfigs = dict(mapping.module_name_qconfigs)
+        for name, _ in module.named_modules():
+            if not name or name in mapping.module_name_qconfigs:
+                continue
+            for regex, qconfig in mapping.module_name_regex_qconfigs.items():
+                if re.match(regex, name):
+                    mapping.module_name_qconfigs[name] = qconfig
+                    break
+        return mapping
 
     def _with_standalone_inputs(self, module: nn.Module, inputs: Inputs, config: Any) -> Any:
         """Standalone modules are prepared with their own example inputs: capture them from a real forward."""

@@ -466,6 +466,10 @@ class Pt2eEngine(QuantEngine):
 
     name = "pt2e"
 
+    def __reduce__(self) -> tuple:
+        # stateless apart from the torch modules it imports: pickle as "make a new one"
+        return (type(self), ())
+
     def __init__(self) -> None:
         self.ao = load_torchao()
 

@@ -1,0 +1,142 @@
+"""QAT on digits with a multi-process strategy (2 CPU processes, gloo); run by tests/test_ddp.py.
+
+Lightning's ``ddp`` strategy re-launches ``sys.argv`` for rank 1, so this is a script rather
+than a test function. Every rank writes what it holds to OUTDIR:
+
+* ``save{E}_rank{R}.pt``: the state_dict of the prepared ``net`` when a checkpoint of epoch E is
+  written (seen from a callback that runs after the QAT callback's ``on_save_checkpoint``);
+* ``val{E}_rank{R}.pt``: the state_dict of the prepared ``net`` after the first validation batch of
+  epoch E (the model that validation measures);
+* ``final_rank{R}.pt``: after fit, the converted int8 ``net`` state_dict, the fake-quant copy's
+  state_dict, the int8 and fake-quant accuracies on the whole test split and ``trainer.test``'s
+  accuracy (``ddp`` only; with ``ddp_spawn`` the main process writes ``final_main.pt``).
+
+Usage::
+
+    python tests/ddp_digits.py OUTDIR [--strategy ddp|ddp_spawn] [--epochs N] [--no-sync]
+        [--checkpoint] [--resume CKPT] [--no-broadcast-buffers] [--no-val] [--batch-size N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import qlightning.callbacks.qat
+from qlightning import QuantizationAwareTraining
+from qlightning.examples import DigitsClassifier, DigitsDataModule
+
+torch.set_num_threads(1)
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+class Probe(Callback):
+    """Records, on every rank, the state of the prepared ``net`` at checkpoint and validation time."""
+
+    def __init__(self, outdir: Path) -> None:
+        self.outdir = outdir
+
+    def _dump(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> None:
+        state = {k: v.clone() for k, v in pl_module.net.state_dict().items()}  # parameters and buffers
+        torch.save(state, self.outdir / f"{name}_rank{trainer.global_rank}.pt")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        # callbacks run in order, so this is after QuantizationAwareTraining.on_save_checkpoint
+        self._dump(trainer, pl_module, f"save{trainer.current_epoch}")
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        # after the first validation forward: what validation measures (nothing moves in eval)
+        if batch_idx == 0 and not trainer.sanity_checking:
+            self._dump(trainer, pl_module, f"val{trainer.current_epoch}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--no-sync", action="store_true", help="disable the callback's buffer broadcast")
+    parser.add_argument("--checkpoint", action="store_true", help="save a checkpoint every epoch")
+    parser.add_argument("--resume", default=None, help="checkpoint to resume from")
+    parser.add_argument("--no-broadcast-buffers", action="store_true", help="DDP without its buffer broadcast")
+    parser.add_argument("--no-val", action="store_true", help="no validation loop")
+    parser.add_argument("--batch-size", type=int, default=16)
+    args = parser.parse_args()
+    args.outdir.mkdir(parents=True, exist_ok=True)
+
+    if args.no_sync:  # what the callback would do without qlightning.distributed
+        qlightning.callbacks.qat.broadcast_buffers = lambda trainer, modules, src=0: 0
+
+    pl.seed_everything(0, verbose=False)
+    dm = DigitsDataModule(batch_size=args.batch_size, seed=0)
+    model = DigitsClassifier()
+    qat = QuantizationAwareTraining(
+        modules=["net"], fake_quant_start={"epoch": 1}, observer_freeze={"epoch": 3}, bn_freeze={"epoch": 3}
+    )
+    callbacks: list[Callback] = [qat]
+    if args.strategy == "ddp":  # ddp_spawn pickles the callbacks into each process: keep them simple
+        callbacks.append(Probe(args.outdir))
+    if args.checkpoint:
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.outdir / "ckpt", filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+        )
+    strategy = args.strategy
+    if args.no_broadcast_buffers:
+        # torch 2.13 renamed broadcast_buffers (deprecated) to forward_sync_buffers
+        renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
+        key = "forward_sync_buffers" if renamed else "broadcast_buffers"
+        strategy = DDPStrategy(start_method="spawn" if strategy == "ddp_spawn" else "popen", **{key: False})
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=args.epochs,
+        limit_val_batches=0 if args.no_val else 2,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=args.checkpoint,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=args.resume)
+
+    dm.setup()
+    x, y = dm.splits["test"].tensors
+
+    def accuracy(net: torch.nn.Module) -> float:
+        with torch.no_grad():
+            return (net.eval()(x).argmax(1) == y).float().mean().item()
+
+    if args.strategy != "ddp":
+        # ddp_spawn: this is the main process again, its model updated from rank 0's final state_dict
+        torch.save(
+            {"converted": qat.converted, "net": model.net.state_dict(), "accuracy": accuracy(model.net)},
+            args.outdir / "final_main.pt",
+        )
+        return
+    result = {
+        "converted": qat.converted,
+        "world_size": trainer.world_size,
+        "int8": model.net.state_dict(),
+        "fake_quant": qat.fake_quant_modules["net"].state_dict(),
+        "int8_accuracy": accuracy(model.net),
+        "fake_quant_accuracy": accuracy(qat.fake_quant_modules["net"]),
+        "test_accuracy": trainer.test(model, datamodule=dm, verbose=False)[0]["test/accuracy"],
+    }
+    torch.save(result, args.outdir / f"final_rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
