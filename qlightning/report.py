@@ -1,7 +1,8 @@
 """Float vs fake-quant vs int8: quality on the test set, size on disk, latency.
 
-"fp32" is the trained model with every fake-quant switched off (the same weights in float), so
-the gap to "int8" is what quantization costs; "fake_quant" is what training and validation saw.
+"fp32" is the float model the QAT phase started from (a snapshot taken when fake-quant first
+turns on, kept in checkpoints); "fake_quant" is what training and validation saw; "int8" is the
+converted model.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def variants(callback: QuantizationAwareTraining, pl_module: pl.LightningModule)
     fp32 = {}
     for name, module in fake.items():
         fp32[name] = copy.deepcopy(module).eval()
+        if callback.float_snapshot is not None:
+            fp32[name].load_state_dict(callback.float_snapshot[name])
         callback.engine.set_phase(fp32[name], Phase(fake_quant=False, observe=False, bn_frozen=True))
     for module in fake.values():
         callback.engine.set_observers(module, False)
@@ -153,6 +156,8 @@ def build_report(
         "int8": sum(state_dict_bytes(m) for m in versions["int8"].values()),
     }
     return {
+        "fp32_is": "the float weights at fake-quant start" if callback.float_snapshot is not None
+        else "the final weights with quantization switched off",
         "modules": list(callback.targets),
         "engine": callback.engine.name,
         "backend": callback.backend,
@@ -190,7 +195,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"int8 is {fp32 / int8:.2f}x smaller and {lat['fp32'] / lat['int8']:.2f}x faster than fp32 "
         f"(median of repeats). Wall time of the run: {report.get('wall_s', float('nan')):.1f} s.",
         "",
-        "fp32 = the trained weights with quantization switched off; fake_quant = what training and validation saw.",
+        f"fp32 = {report.get('fp32_is', 'the float model')}; fake_quant = what training and validation saw.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -53,6 +53,7 @@ def test_int8_keeps_float_accuracy_and_agrees_with_fake_quant(trained_qat):
     int8_acc = trainer.test(model, datamodule=dm, verbose=False)[0]["test/accuracy"]
     fake = qat.fake_quant_modules["net"]
     fp32 = __import__("copy").deepcopy(fake)
+    fp32.load_state_dict(qat.float_snapshot["net"])  # the float model QAT started from (end of warm-up)
     qat.engine.set_phase(fp32, Phase(fake_quant=False, observe=False, bn_frozen=True))
     fp32_acc = test_accuracy(fp32, dm)
     assert int8_acc >= fp32_acc - 0.005, (int8_acc, fp32_acc)

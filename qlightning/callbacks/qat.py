@@ -76,6 +76,9 @@ class QuantizationAwareTraining(Callback):
             (and allows another ``fit``).
         keep_fake_quant: keep a copy of each fake-quant submodule in :attr:`fake_quant_modules`
             when converting (for reports and parity checks).
+        keep_float_snapshot: when fake-quant first turns on, keep the float weights the QAT phase
+            starts from (:attr:`float_snapshot`, also saved in checkpoints so a resumed run keeps
+            it): the report's fp32 baseline.
 
     Example::
 
@@ -104,6 +107,7 @@ class QuantizationAwareTraining(Callback):
         observe_stages: Sequence[str] = ("train",),
         convert_on_fit_end: bool = True,
         keep_fake_quant: bool = True,
+        keep_float_snapshot: bool = True,
         qconfig_presets: Optional[Mapping[str, Any]] = None,
         equalization: Any = None,
         trusted_modules: Sequence[str] = (),
@@ -164,6 +168,9 @@ class QuantizationAwareTraining(Callback):
         self.observe_stages = tuple(observe_stages)
         self.convert_on_fit_end = convert_on_fit_end
         self.keep_fake_quant = keep_fake_quant
+        self.keep_float_snapshot = keep_float_snapshot
+        # {module name: state_dict} of the prepared modules at the first fake-quant step
+        self.float_snapshot: Optional[dict[str, dict[str, torch.Tensor]]] = None
 
         self.targets: list[str] = []
         self.prepared = False
@@ -297,6 +304,11 @@ class QuantizationAwareTraining(Callback):
                 f"[qlightning] step {trainer.global_step} (epoch {trainer.current_epoch}): {phase.describe()}"
             )
             self.phase = phase
+        if phase.fake_quant and self.float_snapshot is None and self.keep_float_snapshot:
+            self.float_snapshot = {
+                name: {k: v.detach().clone() for k, v in pl_module.get_submodule(name).state_dict().items()}
+                for name in self.targets
+            }
         if trainer.loggers:
             for key, value in vars(phase).items():
                 pl_module.log(f"qat/{key}", float(value), on_step=True, on_epoch=False)
@@ -390,6 +402,7 @@ class QuantizationAwareTraining(Callback):
             "converted": self.converted,
             "phase": None if self.phase is None else vars(self.phase).copy(),
             "provenance": self.provenance,
+            "float_snapshot": self.float_snapshot,
         }
 
     @override
@@ -406,3 +419,4 @@ class QuantizationAwareTraining(Callback):
         phase = state_dict.get("phase")
         self.phase = Phase(**phase) if phase else None
         self.provenance = self.provenance or dict(state_dict.get("provenance") or {})
+        self.float_snapshot = state_dict.get("float_snapshot")
