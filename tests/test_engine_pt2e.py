@@ -315,3 +315,25 @@ def test_validate_leaves_quant_state_unchanged():
     trainer.validate(model, datamodule=data, verbose=False)
     assert _same(before, _state(engine, model.net))
     assert all(torch.equal(v, dict(model.net.named_buffers())[k]) for k, v in buffers.items())  # BN stats too
+
+
+def test_config_mapping_carries_over_to_the_x86_inductor_quantizer():
+    """global / object_type / module_name from the config reach X86InductorQuantizer; FX-only keys are refused."""
+    from qlightning import ConfigError, QuantizationAwareTraining
+
+    qat = QuantizationAwareTraining(
+        engine="pt2e",
+        qconfig_mapping={"global": "default", "module_name": [{"name": "classifier", "qconfig": None}]},
+    )
+    quantizer = qat.spec.qconfig_mapping
+    assert type(quantizer).__name__ == "X86InductorQuantizer"
+    assert quantizer.global_config is not None and quantizer.module_name_qconfig.get("classifier", "unset") is None
+    lm = DigitsClassifier()
+    qat.prepare(lm)
+    linear_inputs = [n for n in lm.net.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    assert linear_inputs and all("dequantize" not in str(a.target) for n in linear_inputs for a in n.args if hasattr(a, "target"))
+    with pytest.raises(ConfigError) as err:
+        QuantizationAwareTraining(engine="pt2e", qconfig_mapping={"global": "w4a8", "module_name_regex": [{"regex": "x", "qconfig": None}]})
+    text = str(err.value)
+    assert "quant.qconfig_mapping.global='w4a8'" in text and "need quant.engine=fx" in text
+    assert "quant.qconfig_mapping.module_name_regex: not supported by the pt2e engine" in text

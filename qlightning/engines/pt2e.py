@@ -500,7 +500,56 @@ class Pt2eEngine(QuantEngine):
         if errors:
             raise ConfigError(errors)
 
+    def quantizer_from_data(self, data: Any, is_qat: bool, errors: list[str], trusted: Any = ()) -> Any:
+        """Map ``quant.qconfig_mapping`` onto ``X86InductorQuantizer`` where the meaning is the same.
+
+        ``global``, ``object_type`` and ``module_name`` carry over; each qconfig may be ``default``,
+        ``dynamic``, ``reduce_range`` (for CPUs without VNNI) or ``null``. Presets, observer specs,
+        regexes and call-order entries are FX features and are refused, naming the FX engine.
+        """
+        from qlightning.config.qconfig import plain, resolve_reference
+
+        data = plain(data)
+        data = {"global": data} if isinstance(data, str) or data is None else data
+        quantizer = self.ao.X86InductorQuantizer()
+
+        def config(value: Any, key: str) -> Any:
+            if value is None or value == "none":
+                return None
+            variants = {"default": {}, "dynamic": {"is_dynamic": True}, "reduce_range": {"reduce_range": True}}
+            if isinstance(value, str) and value in variants:
+                return self.ao.get_default_x86_inductor_quantization_config(is_qat=is_qat, **variants[value])
+            errors.append(
+                f"{key}={value!r}: the pt2e engine (X86InductorQuantizer) takes {sorted(variants)} or null; "
+                "qconfig presets and observer specs need quant.engine=fx"
+            )
+            return None
+
+        for key in sorted(set(data) - {"global", "object_type", "module_name"}):
+            errors.append(f"quant.qconfig_mapping.{key}: not supported by the pt2e engine; use quant.engine=fx")
+        global_config = config(data.get("global", "default"), "quant.qconfig_mapping.global")
+        if global_config is not None:
+            quantizer.set_global(global_config)
+        for i, item in enumerate(data.get("object_type") or []):
+            key = f"quant.qconfig_mapping.object_type[{i}]"
+            target = resolve_reference(item.get("type"), f"{key}.type", errors, trusted, object_type=True)
+            value = config(item.get("qconfig"), f"{key}.qconfig")
+            if target is not None:
+                try:
+                    quantizer.set_module_type_qconfig(target, value)
+                except Exception as exc:  # X86InductorQuantizer supports a fixed set of module types
+                    errors.append(f"{key}.type={item.get('type')!r}: X86InductorQuantizer cannot configure it ({exc})")
+        for i, item in enumerate(data.get("module_name") or []):
+            key = f"quant.qconfig_mapping.module_name[{i}]"
+            quantizer.set_module_name_qconfig(str(item.get("name")), config(item.get("qconfig"), f"{key}.qconfig"))
+        return quantizer
+
     def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
+        from dataclasses import replace
+
+        value = spec.qconfig_mapping
+        if value is not None and (isinstance(value, (str, dict)) or type(value).__module__.startswith("omegaconf")):
+            spec = replace(spec, qconfig_mapping=self.quantizer_from_data(value, spec.is_qat, errors, spec.options.get("trusted", ())))
         try:
             self.check_spec(spec)
         except ConfigError as exc:
