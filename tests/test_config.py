@@ -343,6 +343,7 @@ def test_trusted_modules_from_the_command_line_admit_a_user_class(tmp_path):
 # ------------------------------------------------------------------ recipes from other packages, provenance, reference
 
 
+@pytest.mark.slow
 def test_recipe_from_an_installed_package(tmp_path):
     src = tmp_path / "src"
     (src / "team_recipes").mkdir(parents=True)
@@ -382,6 +383,7 @@ def test_recipe_from_an_installed_package(tmp_path):
     assert "backend: qnnpack" in shown.stdout and "max_epochs: 2" in shown.stdout and "torch 2." in shown.stdout
 
 
+@pytest.mark.slow
 def test_multirun_writes_a_comparison_table(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "qlightning.cli", "train", "-m", "recipe=digits_fast", "quant.backend=x86,qnnpack",
