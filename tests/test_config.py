@@ -416,3 +416,87 @@ def test_every_shipped_recipe_starts_with_its_command():
 
     for name, recipe in recipes_registry.discover().items():
         assert recipe.command == f"qlightning train recipe={name}", recipe.path
+
+
+def test_input_and_output_quantized_indexes_change_the_converted_interface():
+    callback, net = prepared_net("quant.prepare.input_quantized_indexes=[0]", "quant.prepare.output_quantized_indexes=[0]")
+    callback.engine.set_observers(net, True)
+    net(torch.rand(8, 1, 8, 8))
+    lm = DigitsClassifier()
+    lm.net = net
+    callback.convert(lm)
+    x = torch.quantize_per_tensor(torch.rand(4, 1, 8, 8), 1 / 255, 0, torch.quint8)
+    out = lm.net(x)  # takes an already quantized input ...
+    assert out.is_quantized and out.shape == (4, 10)  # ... and returns a quantized output
+
+
+def test_convert_preserved_attributes_survive_conversion():
+    class Net(DigitsClassifier):
+        def __init__(self):
+            super().__init__()
+            self.net.labels = list("0123456789")
+
+    callback, net = prepared_net("quant.prepare.preserved_attributes=[labels]", "quant.convert.preserved_attributes=[labels]",
+                                 model=Net())
+    callback.engine.set_observers(net, True)
+    net(torch.rand(8, 1, 8, 8))
+    lm = DigitsClassifier()
+    lm.net = net
+    callback.convert(lm)
+    assert lm.net.labels == list("0123456789")
+
+
+def _short_fit_overrides(run_dir: Path) -> list[str]:
+    return [f"hydra.run.dir={run_dir}", "trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2",
+            "trainer.limit_test_batches=2", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
+            "report.latency_repeats=2"]
+
+
+def test_trainer_checkpoint_report_and_convert_keys_reach_the_run(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "qlightning.cli", "train", *_short_fit_overrides(tmp_path / "a"), "trainer.max_epochs=2",
+         "checkpoint.every_n_train_steps=3", "checkpoint.save_top_k=-1", "report.latency_batch_size=8",
+         "quant.observe_stages=[train,validate]"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    steps = sorted(p.name for p in (tmp_path / "a" / "checkpoints").glob("epoch=*-step=*.ckpt"))
+    assert steps == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"], steps
+    report = (tmp_path / "a" / "report.json").read_text()
+    assert '"latency_batch_size": 8' in report
+    off = subprocess.run(
+        [sys.executable, "-m", "qlightning.cli", "train", *_short_fit_overrides(tmp_path / "b"), "quant.convert_on_fit_end=false"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert not (tmp_path / "b" / "int8_net.pt").exists() and not (tmp_path / "b" / "report.json").exists()
+    assert (tmp_path / "b" / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow
+def test_every_shipped_recipe_composes_and_runs_a_short_fit(tmp_path):
+    from qlightning import recipes_registry
+    from qlightning.app import train
+
+    ran = []
+    for name, recipe in sorted(recipes_registry.discover().items()):
+        if recipe.origin != "qlightning":
+            continue
+        try:
+            cfg = compose_config([o for o in _short_fit_overrides(tmp_path / name) if not o.startswith("hydra.")], recipe=name)
+        except Exception as exc:  # a recipe for an optional extra (e.g. MiniLM) whose package is missing
+            if "No module named" in str(exc):
+                continue
+            raise
+        if cfg.model.get("_target_", "").startswith("qlightning.examples.minilm"):
+            pytest.importorskip("transformers")
+        result = train(cfg, tmp_path / name)
+        assert "metrics" in result or not cfg.quant.convert_on_fit_end, name
+        ran.append(name)
+    assert len(ran) >= 5, ran
+
+
+def test_recipes_diff(capsys):
+    assert cli_main(["recipes", "diff", "digits_qat", "digits_qnnpack"]) == 0
+    out = capsys.readouterr().out
+    assert "-  backend: x86" in out and "+  backend: qnnpack" in out
