@@ -10,11 +10,11 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from qlightning import report as reporting
+from qlightning.checkpoint import AtomicCheckpointIO, ModelCheckpointWithFinalLast
 from qlightning.engines import Inputs
 from qlightning.config.build import instantiate_checked
 from qlightning.config.validate import validate_config
@@ -60,7 +60,9 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
     datamodule = instantiate_checked(cfg.data, "data")
     model = instantiate_checked(cfg.model, "model")
 
-    ckpt = ModelCheckpoint(
+    # last.ckpt is also written when training ends: with every_n_train_steps it would otherwise hold
+    # the last multiple of N steps, not the weights that were converted and reported
+    ckpt = ModelCheckpointWithFinalLast(
         dirpath=run_dir / "checkpoints",
         filename="{epoch}-{step}",
         save_last=cfg.checkpoint.save_last,
@@ -72,6 +74,7 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
         **trainer_kwargs(cfg),
         default_root_dir=str(run_dir),
         callbacks=[callback, ckpt],
+        plugins=[AtomicCheckpointIO()],  # a killed run leaves whole checkpoints only
         logger=CSVLogger(str(run_dir), name="logs", version=""),
     )
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)

@@ -66,6 +66,7 @@ def low_bit_qconfig(
     narrow_range: bool = True,
     activation_observer: str = "histogram",
     reduce_range: Optional[bool] = None,
+    weight_averaging_constant: float = 1.0,
 ) -> Any:
     """A torch.ao ``QConfig`` with ``weight_bits``-bit symmetric weights and ``activation_bits``-bit activations.
 
@@ -83,6 +84,8 @@ def low_bit_qconfig(
         activation_observer: PTQ only: ``"histogram"`` (torch.ao's x86 default, minimizes the
             quantization error) or ``"minmax"``.
         reduce_range: force the activation range to be halved (``None``: decided as above).
+        weight_averaging_constant: QAT only: moving-average constant of the weight range
+            (1.0 = the current weights' range at every step; torch.ao's default is 0.01).
     """
     errors: list[str] = []
     _check_bits(errors, weight_bits, activation_bits)
@@ -102,11 +105,16 @@ def low_bit_qconfig(
     weight_kwargs = dict(dtype=torch.qint8, qscheme=w_scheme, quant_min=wmin, quant_max=wmax, **extra)
     act_kwargs = dict(dtype=torch.quint8, qscheme=torch.per_tensor_affine, quant_min=0, quant_max=amax, **extra)
     if is_qat:
-        fq = tq.FusedMovingAvgObsFakeQuantize
+        # Weights: the plain FakeQuantize, whose scale is the observer's calculate_qparams() --
+        # the scale convert_fx uses. The fused kernel of FusedMovingAvgObsFakeQuantize computes
+        # symmetric scales differently once quant_min/quant_max are narrowed (measured 7% apart
+        # at [-7, 7]), so training and the int8 model would disagree. averaging_constant=1: the
+        # range is the current weights' range (as in PTQ); a lagging moving average clips weights
+        # in fake-quant that convert_fx does not clip (it does not clamp to quant_min/quant_max).
         w_obs = tq.MovingAveragePerChannelMinMaxObserver if per_channel else tq.MovingAverageMinMaxObserver
         return tq.QConfig(
-            activation=fq.with_args(observer=tq.MovingAverageMinMaxObserver, **act_kwargs),
-            weight=fq.with_args(observer=w_obs, **weight_kwargs),
+            activation=tq.FusedMovingAvgObsFakeQuantize.with_args(observer=tq.MovingAverageMinMaxObserver, **act_kwargs),
+            weight=tq.FakeQuantize.with_args(observer=w_obs, averaging_constant=weight_averaging_constant, **weight_kwargs),
         )
     w_obs = tq.PerChannelMinMaxObserver if per_channel else tq.MinMaxObserver
     a_obs = tq.HistogramObserver if activation_observer == "histogram" else tq.MinMaxObserver
@@ -123,6 +131,7 @@ def low_bit_qconfig_mapping(
     narrow_range: bool = True,
     activation_observer: str = "histogram",
     reduce_range: Optional[bool] = None,
+    weight_averaging_constant: float = 1.0,
     check: bool = True,
 ) -> Any:
     """The backend's default ``QConfigMapping`` with :func:`low_bit_qconfig` as the global qconfig.
@@ -135,6 +144,7 @@ def low_bit_qconfig_mapping(
     qconfig = low_bit_qconfig(
         weight_bits, activation_bits, per_channel=per_channel, is_qat=is_qat, backend=backend,
         narrow_range=narrow_range, activation_observer=activation_observer, reduce_range=reduce_range,
+        weight_averaging_constant=weight_averaging_constant,
     )
     tq = _tq()
     from qlightning.engines.fx import quiet_torch_ao
@@ -207,6 +217,56 @@ def quantize_dynamic_eager(module: nn.Module, mode: str = "dynamic", module_type
         return tq.quantize_dynamic(module, qconfig_spec=spec, inplace=False)
 
 
+# ---------------------------------------------------------------------- converted weights
+
+
+def quantized_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The quantized weight tensor of every converted Conv/Linear (static or dynamic) in ``module``."""
+    out = {}
+    for name, m in module.named_modules():
+        weight = getattr(m, "weight", None)
+        if callable(weight) and hasattr(m, "set_weight_bias"):
+            try:
+                w = weight()
+            except Exception:  # noqa: BLE001 - not a packed-weight module after all
+                continue
+            if isinstance(w, torch.Tensor) and w.is_quantized:
+                out[name] = w
+    return out
+
+
+def weight_int_range(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """(min, max) of the stored integers of every converted weight: the bits a model really uses."""
+    return {n: (int(w.int_repr().min()), int(w.int_repr().max())) for n, w in quantized_weights(module).items()}
+
+
+def clamp_quantized_weights(module: nn.Module, quant_min: int, quant_max: int) -> int:
+    """Clamp the stored integers of every converted weight to ``[quant_min, quant_max]``, in place.
+
+    ``convert_fx`` quantizes weights with the observer's scale but clamps only to the int8
+    storage range, not to a narrower ``quant_min``/``quant_max``: after QAT with frozen weight
+    observers a "4-bit" model can hold weights up to +-127. Returns how many values were clamped.
+    """
+    clamped = 0
+    for name, w in quantized_weights(module).items():
+        m = module.get_submodule(name)
+        ints = w.int_repr()
+        new = ints.clamp(quant_min, quant_max)
+        n = int((new != ints).sum())
+        if not n:
+            continue
+        clamped += n
+        if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+            qw = torch._make_per_channel_quantized_tensor(
+                new, w.q_per_channel_scales(), w.q_per_channel_zero_points(), w.q_per_channel_axis()
+            )
+        else:
+            qw = torch._make_per_tensor_quantized_tensor(new, w.q_scale(), w.q_zero_point())
+        bias = m.bias() if callable(getattr(m, "bias", None)) else None
+        m.set_weight_bias(qw, bias)
+    return clamped
+
+
 # ---------------------------------------------------------------------- QAT -> PTQ
 
 _PTQ_OBSERVER = {
@@ -261,6 +321,9 @@ def ptq_qconfig_mapping(mapping: Any) -> Any:
 
 __all__ = [
     "DYNAMIC_MODES",
+    "clamp_quantized_weights",
+    "quantized_weights",
+    "weight_int_range",
     "DYNAMIC_TYPES",
     "EMBEDDING_TYPES",
     "dynamic_qconfig_mapping",

@@ -25,7 +25,7 @@ from qlightning.callbacks.qat import QuantizationAwareTraining, _set_submodule
 from qlightning.engines.base import Inputs
 from qlightning.schedule import Phase
 
-VARIANTS = ("fp32", "fake_quant", "int8")
+VARIANTS = ("fp32", "ptq", "fake_quant", "int8")
 
 
 def state_dict_bytes(module: nn.Module, skip: Iterable[str] = ()) -> int:
@@ -62,7 +62,10 @@ def swapped(pl_module: pl.LightningModule, modules: dict[str, nn.Module]) -> Ite
 
 
 def variants(callback: QuantizationAwareTraining, pl_module: pl.LightningModule) -> dict[str, dict[str, nn.Module]]:
-    """The fp32, fake-quant and int8 versions of every quantized submodule."""
+    """The fp32, (ptq,) fake-quant and int8 versions of every quantized submodule."""
+    int8 = {n: pl_module.get_submodule(n) for n in callback.targets}
+    if not hasattr(callback, "fake_quant_modules"):  # PostTrainingQuantization: float and int8 only
+        return {"fp32": {n: callback.float_modules[n] for n in callback.targets}, "int8": int8}
     fake = {name: callback.fake_quant_modules[name] for name in callback.targets}
     fp32 = {}
     for name, module in fake.items():
@@ -72,7 +75,12 @@ def variants(callback: QuantizationAwareTraining, pl_module: pl.LightningModule)
         callback.engine.set_phase(fp32[name], Phase(fake_quant=False, observe=False, bn_frozen=True))
     for module in fake.values():
         callback.engine.set_observers(module, False)
-    return {"fp32": fp32, "fake_quant": fake, "int8": {n: pl_module.get_submodule(n) for n in callback.targets}}
+    out = {"fp32": fp32}
+    ptq = getattr(callback, "ptq_modules", None) or {}
+    if callback.targets and all(name in ptq for name in callback.targets):
+        out["ptq"] = {name: ptq[name] for name in callback.targets}  # PTQ baseline (ptq_baseline=)
+    out.update({"fake_quant": fake, "int8": int8})
+    return out
 
 
 def _tile(value: Any, batch: int) -> Any:
@@ -140,7 +148,7 @@ def build_report(
     if threads:
         torch.set_num_threads(threads)
     try:
-        latency = {variant: 0.0 for variant in ("fp32", "int8")}
+        latency = {variant: 0.0 for variant in ("fp32", "ptq", "int8") if variant in versions}
         for name in callback.targets:
             inputs = seen.get(name) or callback.inputs[name]
             batch = Inputs(_tile(inputs.args, batch_size), _tile(inputs.kwargs, batch_size))
@@ -155,8 +163,11 @@ def build_report(
         ),
         "int8": sum(state_dict_bytes(m) for m in versions["int8"].values()),
     }
+    if "ptq" in versions:
+        size["ptq"] = sum(state_dict_bytes(m) for m in versions["ptq"].values())
     return {
-        "fp32_is": "the float weights at fake-quant start" if callback.float_snapshot is not None
+        "fp32_is": "the float weights at fake-quant start" if getattr(callback, "float_snapshot", None) is not None
+        else "the float model before conversion" if not hasattr(callback, "fake_quant_modules")
         else "the final weights with quantization switched off",
         "modules": list(callback.targets),
         "engine": callback.engine.name,
@@ -180,7 +191,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         + f"{report['latency_batch_size']}, {report['latency_threads']} threads) |",
         "|---|" + "---|" * (len(metric_names) + 2),
     ]
-    for variant in VARIANTS:
+    for variant in (v for v in VARIANTS if v in report["metrics"]):
         values = report["metrics"].get(variant, {})
         cells = [f"{values[m]:.4f}" if m in values else "" for m in metric_names]
         size = report["size_bytes"].get(variant)
@@ -195,9 +206,13 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"int8 is {fp32 / int8:.2f}x smaller and {lat['fp32'] / lat['int8']:.2f}x faster than fp32 "
         f"(median of repeats). Wall time of the run: {report.get('wall_s', float('nan')):.1f} s.",
         "",
-        f"fp32 = {report.get('fp32_is', 'the float model')}; fake_quant = what training and validation saw.",
+        f"fp32 = {report.get('fp32_is', 'the float model')}; fake_quant = what training and validation saw."
+        + (" ptq = post-training quantization of the float weights at fake-quant start (a baseline)."
+           if "ptq" in report["metrics"] else ""),
     ]
-    return "\n".join(lines) + "\n"
+    from qlightning.artifacts import markdown_sections  # exports, parity, per-layer SQNR, ranges, latency, plots
+
+    return "\n".join(lines) + "\n" + markdown_sections(report)
 
 
 def write(report: dict[str, Any], run_dir: Path) -> None:
@@ -217,7 +232,7 @@ def print_table(report: dict[str, Any]) -> None:
         table.add_column(m, justify="right")
     table.add_column("size KiB", justify="right")
     table.add_column(f"ms/batch {report['latency_batch_size']}", justify="right")
-    for variant in VARIANTS:
+    for variant in (v for v in VARIANTS if v in report["metrics"]):
         values = report["metrics"].get(variant, {})
         size = report["size_bytes"].get(variant)
         lat = report["latency_ms"].get(variant)

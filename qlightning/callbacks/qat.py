@@ -7,9 +7,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelPruning
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
+from torch.nn.utils import prune
 from typing_extensions import override
 
 from qlightning.capture import example_inputs_for, resolve_targets
@@ -29,6 +30,22 @@ def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
         parent[int(child)] = module
     else:
         setattr(parent, child, module)
+
+
+def _has_submodule(root: nn.Module, name: str) -> bool:
+    try:
+        root.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _remove_pruning(module: nn.Module) -> None:
+    """Make ``torch.nn.utils.prune`` masks permanent (``ModelPruning(make_pruning_permanent=False)`` keeps them)."""
+    for sub in module.modules():
+        for hook in list(sub._forward_pre_hooks.values()):
+            if isinstance(hook, prune.BasePruningMethod):
+                prune.remove(sub, hook._tensor_name)
 
 
 def _as_inputs(value: Any) -> Inputs:
@@ -79,6 +96,14 @@ class QuantizationAwareTraining(Callback):
         keep_float_snapshot: when fake-quant first turns on, keep the float weights the QAT phase
             starts from (:attr:`float_snapshot`, also saved in checkpoints so a resumed run keeps
             it): the report's fp32 baseline.
+        ptq_baseline: when fake-quant starts, also run static PTQ on a copy of the float
+            submodule (the weights of :attr:`float_snapshot`) calibrated on this many training
+            batches (``True`` = 32), and keep the int8 result in :attr:`ptq_modules`, so the
+            report shows fp32 / ptq / fake_quant / int8 side by side. A run resumed after
+            fake-quant started builds it at fit end from the saved ``float_snapshot``.
+        ptq_qconfig_mapping: the PTQ mapping of that baseline; ``None`` = the PTQ counterpart
+            of ``qconfig_mapping`` (:func:`qlightning.qconfigs.ptq_qconfig_mapping`), or the
+            backend's default PTQ mapping.
 
     Example::
 
@@ -108,6 +133,8 @@ class QuantizationAwareTraining(Callback):
         convert_on_fit_end: bool = True,
         keep_fake_quant: bool = True,
         keep_float_snapshot: bool = True,
+        ptq_baseline: Union[bool, int] = False,
+        ptq_qconfig_mapping: Any = None,
         qconfig_presets: Optional[Mapping[str, Any]] = None,
         equalization: Any = None,
         trusted_modules: Sequence[str] = (),
@@ -137,6 +164,8 @@ class QuantizationAwareTraining(Callback):
             errors.append(f"observer_freeze ({freeze}): must be positive, observers need at least one step to calibrate")
         if example_inputs is not None and not isinstance(example_inputs, Mapping):
             errors.append("example_inputs: expected a mapping {module_name: tensor | tuple | dict}")
+        if not isinstance(ptq_baseline, (bool, int)) or (not isinstance(ptq_baseline, bool) and ptq_baseline < 1):
+            errors.append(f"ptq_baseline={ptq_baseline!r}: True, False or a positive number of calibration batches")
 
         self.module_names = names
         self.backend = backend
@@ -169,6 +198,13 @@ class QuantizationAwareTraining(Callback):
         self.convert_on_fit_end = convert_on_fit_end
         self.keep_fake_quant = keep_fake_quant
         self.keep_float_snapshot = keep_float_snapshot
+        self.ptq_batches = 32 if ptq_baseline is True else int(ptq_baseline)
+        self.ptq_qconfig_mapping = ptq_qconfig_mapping
+        #: int8 PTQ baseline of each target (``ptq_baseline=``), not saved in checkpoints
+        self.ptq_modules: dict[str, nn.Module] = {}
+        # the float submodules before preparation: prepare_qat_fx keeps their Parameter objects,
+        # so qlightning.callbacks.ptq.float_module_from() can rebuild float modules from them
+        self._float_refs: dict[str, nn.Module] = {}
         # {module name: state_dict} of the prepared modules at the first fake-quant step
         self.float_snapshot: Optional[dict[str, dict[str, torch.Tensor]]] = None
 
@@ -230,7 +266,9 @@ class QuantizationAwareTraining(Callback):
         def configure_model_then_prepare() -> None:
             del pl_module.configure_model  # back to the class's method before anything can fail
             original()
+            pruned = self._name_pruned_parameters(trainer, pl_module)
             self.prepare(pl_module, trainer)
+            self._repoint_pruning(pl_module, pruned)
 
         pl_module.configure_model = configure_model_then_prepare  # type: ignore[method-assign]
 
@@ -270,6 +308,8 @@ class QuantizationAwareTraining(Callback):
         )
         for name in self.targets:
             float_module = pl_module.get_submodule(name)
+            if self.ptq_batches:
+                self._float_refs[name] = float_module
             prepared = self.engine.prepare(float_module, self.inputs[name], self.spec)
             _set_submodule(pl_module, name, prepared)
         self.prepared = True
@@ -281,6 +321,77 @@ class QuantizationAwareTraining(Callback):
             f"observers freeze at {self.schedule.observer_freeze or 'never'}, "
             f"BN freezes at {self.schedule.bn_freeze or 'never'}"
         )
+
+    # ------------------------------------------------------------------ ModelPruning
+
+    def _name_pruned_parameters(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> list[tuple[Any, ...]]:
+        """Before prepare: the ``ModelPruning`` parameters inside the quantized modules, by name.
+
+        ``ModelPruning.setup`` collects its ``(module, name)`` pairs before ``configure_model``, from
+        the float modules that prepare then replaces: left alone it would prune modules that are no
+        longer in the model (silently: the trained and converted model is not sparse).
+        """
+        callbacks = [c for c in trainer.callbacks if isinstance(c, ModelPruning)]
+        if not callbacks:
+            return []
+        targets = resolve_targets(pl_module, self.module_names, key="modules")
+        names = {id(m): n for n, m in pl_module.named_modules()}
+
+        def inside(name: str) -> bool:
+            return any(name == t or name.startswith(t + ".") for t in targets)
+
+        found = []
+        for callback in callbacks:
+            pairs = list(callback._parameters_to_prune)
+            default = callback.filter_parameters_to_prune(
+                ModelPruning.sanitize_parameters_to_prune(pl_module, (), parameter_names=callback._parameter_names)
+            )
+            is_default = [(id(m), p) for m, p in default] == [(id(m), p) for m, p in pairs]
+            moved = [(i, names[id(m)], p) for i, (m, p) in enumerate(pairs) if id(m) in names and inside(names[id(m)])]
+            if moved:
+                found.append((callback, moved, is_default))
+        return found
+
+    def _repoint_pruning(self, pl_module: "pl.LightningModule", found: list[tuple[Any, ...]]) -> None:
+        """After prepare: point ``ModelPruning`` at the prepared modules of the same names.
+
+        A fused conv keeps the conv's name, so its weight is pruned (and the mask goes through
+        fake-quant and into the int8 weight); a BatchNorm folded into its conv has no module of its
+        own any more: dropped from ``ModelPruning``'s default selection, an error when listed explicitly.
+        """
+        errors: list[str] = []
+        for callback, moved, is_default in found:
+            if self.engine.name != "fx":
+                errors.append(
+                    f"ModelPruning: prunes {[f'{n}.{p}' for _, n, p in moved][:4]}... inside the quantized modules "
+                    f"{self.targets}; only the fx engine keeps their names when preparing (this run: {self.engine.name!r})"
+                )
+                continue
+            pairs = list(callback._parameters_to_prune)
+            dropped: dict[int, str] = {}
+            for i, name, param in moved:
+                module = pl_module.get_submodule(name) if _has_submodule(pl_module, name) else None
+                if module is not None and isinstance(module._parameters.get(param), nn.Parameter):
+                    pairs[i] = (module, param)
+                else:
+                    dropped[i] = f"{name}.{param}"
+            if dropped and not is_default:
+                errors.append(
+                    f"ModelPruning(parameters_to_prune=...): {sorted(dropped.values())} are not parameters of the "
+                    f"model QAT prepares (a BatchNorm folded into its conv, or a module fused away); prune the "
+                    f"conv/linear weights only"
+                )
+                continue
+            if dropped:
+                rank_zero_info(f"[qlightning] ModelPruning: not pruning {sorted(dropped.values())} (folded by QAT fusion)")
+            callback._parameters_to_prune = [pair for i, pair in enumerate(pairs) if i not in dropped]
+            if getattr(callback, "_original_layers", None) is not None:  # lottery ticket: initial weights of the new modules
+                callback._original_layers = {}
+                for i, (module, param) in enumerate(callback._parameters_to_prune):
+                    entry = callback._original_layers.setdefault(id(module), {"data": copy.deepcopy(module), "names": []})
+                    entry["names"].append((i, param))
+        if errors:
+            raise ConfigError(errors)
 
     # ------------------------------------------------------------------ schedule
 
@@ -309,11 +420,40 @@ class QuantizationAwareTraining(Callback):
                 name: {k: v.detach().clone() for k, v in pl_module.get_submodule(name).state_dict().items()}
                 for name in self.targets
             }
+            if self.ptq_batches and not self.ptq_modules:
+                self._run_ptq_baseline(trainer, pl_module)  # before fake-quant is applied: float weights
         if trainer.loggers:
             for key, value in vars(phase).items():
                 pl_module.log(f"qat/{key}", float(value), on_step=True, on_epoch=False)
+            if trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
+                # activation scales over training: the report plots their evolution
+                for name in self.targets:
+                    for key, q in self.engine.describe_qparams(pl_module.get_submodule(name)).items():
+                        if "weight_fake_quant" not in key:
+                            pl_module.log(f"qat/scale/{name}.{key}", q["scale_mean"], on_step=True, on_epoch=False)
         # applied every batch: Lightning's model.train() after validation resets BatchNorm modes
         self._apply(pl_module, phase)
+
+    def _run_ptq_baseline(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", states: Optional[dict[str, Any]] = None
+    ) -> None:
+        """PTQ of the float weights (live, or ``states`` saved at fake-quant start) on training batches."""
+        from qlightning.callbacks.ptq import calibration_batches, collect_inputs, float_module_from, ptq_baseline
+        from qlightning.capture import _RandomStates
+
+        with _RandomStates():
+            batches = calibration_batches(trainer, "train", self.ptq_batches)
+        inputs = collect_inputs(pl_module, self.targets, batches, "train", trainer)
+        for name in self.targets:
+            state = None if states is None else states[name]
+            float_module = float_module_from(self._float_refs[name], pl_module.get_submodule(name), state)
+            self.ptq_modules[name] = ptq_baseline(
+                float_module, inputs[name], self.spec, engine=self.engine, qconfig_mapping=self.ptq_qconfig_mapping
+            )
+        rank_zero_info(
+            f"[qlightning] PTQ baseline of {self.targets} (float weights at fake-quant start, "
+            f"{len(inputs[self.targets[0]])} calibration batches)"
+        )
 
     @override
     def on_train_batch_end(
@@ -376,6 +516,8 @@ class QuantizationAwareTraining(Callback):
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._sync(trainer, pl_module)
+        if self.ptq_batches and not self.ptq_modules and self.float_snapshot is not None and self.prepared:
+            self._run_ptq_baseline(trainer, pl_module, self.float_snapshot)  # resumed after fake-quant start
         if self.convert_on_fit_end and self.prepared and not self.converted:
             self.convert(pl_module)
 
@@ -386,6 +528,7 @@ class QuantizationAwareTraining(Callback):
             self.engine.set_observers(prepared, False)
             if self.keep_fake_quant:
                 self.fake_quant_modules[name] = copy.deepcopy(prepared).eval()
+            _remove_pruning(prepared)  # masks folded into the weights, so convert reads current ones
             _set_submodule(pl_module, name, self.engine.convert(prepared, self.spec))
         self.converted = True
         rank_zero_info(f"[qlightning] converted {self.targets} to int8 ({self.backend})")

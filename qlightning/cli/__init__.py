@@ -11,6 +11,11 @@ commands:
   train [OVERRIDES...]     train with QAT and convert to int8 (Hydra app; `qlightning train --help`)
   recipes list|show|validate|cp
                            the shared recipes: list them, print one, check one without training, copy one
+  doctor pkg.mod:Class | recipe=NAME
+                           which submodules FX can trace, why the others cannot, the route and config for each
+  export CHECKPOINT [--formats torchscript,onnx,pt2] [--out DIR]
+                           write the int8 model of a checkpoint (TorchScript, ONNX QDQ, .pt2) and check parity
+  report RUN_DIR           render report.md and the PNG plots of a run again from its report.json
 
 examples:
   qlightning train
@@ -33,7 +38,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from qlightning.cli.recipes import main as recipes_main
 
         return recipes_main(rest)
-    print(f"qlightning: unknown command {command!r}; valid commands: train, recipes\n\n{USAGE}", file=sys.stderr)
+    elif command == "export":
+        from qlightning.cli.export import main as export_main
+
+        return export_main(rest)
+    elif command == "report":
+        from qlightning.cli.report import main as report_main
+
+        return report_main(rest)
+    elif command == "doctor":
+        from qlightning.cli.doctor import main as doctor_main
+
+        return doctor_main(rest)
+    print(f"qlightning: unknown command {command!r}; valid commands: train, recipes, export, report\n\n{USAGE}", file=sys.stderr)
     return 2
 
 

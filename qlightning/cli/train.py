@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from qlightning import recipes_registry
 from qlightning.config import store
-from qlightning.errors import ConfigError
+from qlightning.errors import ConfigError, QLightningError
 
 _state: dict = {}
 
@@ -51,6 +51,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"qlightning: configuration error\n{exc}", file=sys.stderr)
         sys.exit(2)
+    except QLightningError as exc:  # e.g. a parity breach; report.json is already written
+        print(f"qlightning: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _precheck(overrides: Sequence[str], recipe: Optional[recipes_registry.Recipe]) -> None:

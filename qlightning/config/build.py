@@ -72,12 +72,27 @@ def _is_set(node: Any) -> bool:
     return any(bool(v) for v in OmegaConf.to_container(node).values())
 
 
-def build_callback(cfg: DictConfig) -> QuantizationAwareTraining:
-    """The QAT callback of a config; all problems in one :class:`ConfigError` (keys prefixed ``quant.``)."""
+PTQ_ONLY = ("mode", "calibrate_on", "num_calibration_batches", "equalization", "cross_layer_equalization")
+
+
+def build_callback(cfg: DictConfig) -> Any:
+    """The quantization callback of a config (QAT or PTQ); all problems in one :class:`ConfigError`."""
     errors: list[str] = []
     kwargs = callback_kwargs(cfg.quant, errors, cfg.get("trusted_modules", []))
+    ptq = cfg.quant.ptq
     try:
-        callback = QuantizationAwareTraining(**kwargs)
+        if _enum_value(cfg.quant.method) == "ptq":
+            from qlightning.callbacks.ptq import PostTrainingQuantization
+
+            for key in ("fake_quant_start", "observer_freeze", "bn_freeze", "observe_stages", "convert_on_fit_end"):
+                kwargs.pop(key, None)
+            options = {"qconfig_presets": kwargs.pop("qconfig_presets") or {}, "trusted": kwargs.pop("trusted_modules")}
+            callback = PostTrainingQuantization(
+                **kwargs, engine_options=options, mode=_enum_value(ptq.mode), calibrate_on=_enum_value(ptq.calibrate_on),
+                num_calibration_batches=ptq.num_calibration_batches, cross_layer_equalization=ptq.cross_layer_equalization,
+            )
+        else:
+            callback = QuantizationAwareTraining(**kwargs, ptq_baseline=ptq.num_calibration_batches if ptq.baseline else False)
     except ConfigError as exc:
         errors.extend(f"quant.{p}" if not p.startswith("quant.") else p for p in exc.problems)
         callback = None

@@ -27,6 +27,22 @@ class Backend(str, Enum):
     onednn = "onednn"
 
 
+class Method(str, Enum):
+    qat = "qat"
+    ptq = "ptq"
+
+
+class PtqMode(str, Enum):
+    static = "static"
+    dynamic = "dynamic"
+    weight_only = "weight_only"
+
+
+class CalibrationSource(str, Enum):
+    train = "train"
+    val = "val"
+
+
 class Stage(str, Enum):
     train = "train"
     validate = "validate"
@@ -82,9 +98,21 @@ class ConvertConf:
 
 
 @dataclass
+class PtqConf:
+    """Post-training quantization (quant.method=ptq) and the PTQ baseline of QAT runs."""
+
+    mode: PtqMode = field(default=PtqMode.static, metadata={"help": "static (calibrated activations), dynamic or weight_only"})
+    calibrate_on: CalibrationSource = field(default=CalibrationSource.train, metadata={"help": "loader whose batches calibrate the observers"})
+    num_calibration_batches: int = field(default=32, metadata={"help": "calibration batches"})
+    cross_layer_equalization: Any = field(default=False, metadata={"help": "data-free cross-layer equalization before PTQ: false, true or selective"})
+    baseline: bool = field(default=False, metadata={"help": "QAT runs: also PTQ the float weights at fake-quant start, reported as 'ptq'"})
+
+
+@dataclass
 class QuantConf:
     """What to quantize, how, and when."""
 
+    method: Method = field(default=Method.qat, metadata={"help": "qat (QuantizationAwareTraining) or ptq (train in float, then PostTrainingQuantization at fit end)"})
     engine: EngineName = field(default=EngineName.fx, metadata={"help": "fx (torch.ao FX graph mode) or pt2e (torchao, torch.export based)"})
     backend: Backend = field(default=Backend.x86, metadata={"help": "int8 kernels to lower for: x86, fbgemm, qnnpack, onednn"})
     modules: List[str] = field(default_factory=lambda: ["net"], metadata={"help": "submodules of the LightningModule to quantize (names or glob patterns), each prepared and converted on its own"})
@@ -97,6 +125,7 @@ class QuantConf:
     prepare: PrepareConf = field(default_factory=PrepareConf, metadata={"help": "FX prepare custom config"})
     convert: ConvertConf = field(default_factory=ConvertConf, metadata={"help": "FX convert custom config"})
     equalization: Optional[Any] = field(default=None, metadata={"help": "input-weight equalization (FX prepare_fx, PTQ only): a list of module names or {global: true}"})
+    ptq: PtqConf = field(default_factory=PtqConf, metadata={"help": "post-training quantization settings"})
     backend_config: Optional[str] = field(default=None, metadata={"help": "null = the backend's own; or x86, fbgemm, qnnpack, onednn, native, executorch"})
 
 

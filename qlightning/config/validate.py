@@ -7,6 +7,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from qlightning.capture import resolve_targets
+from qlightning.config.export_schema import check_export_config
 from qlightning.config.build import build_callback, check_targets, instantiate_checked
 from qlightning.config.qconfig import check_against_model
 from qlightning.errors import ConfigError
@@ -19,7 +20,7 @@ def validate_config(cfg: DictConfig) -> tuple[list[str], Any, Any]:
     qconfigs, custom configs), then — with the model built, no data loaded — that every
     submodule name, regex and class the config mentions exists in the model.
     """
-    problems = check_targets(cfg)
+    problems = check_targets(cfg) + check_export_config(cfg)
     callback: Optional[Any] = None
     model: Optional[Any] = None
     try:

@@ -251,12 +251,26 @@ class FxEngine(QuantEngine):
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
         quantized_engine(spec.backend)
         module.eval()
+        # convert_fx clamps weights to the int8 storage range only, not to a narrower
+        # quant_min/quant_max: after QAT with frozen weight observers a 4-bit model would keep
+        # weights up to +-14 (measured). Clamp to each layer's weight fake-quant range.
+        ranges = {
+            name: (int(m.weight_fake_quant.quant_min), int(m.weight_fake_quant.quant_max))
+            for name, m in module.named_modules() if hasattr(m, "weight_fake_quant")
+        }
         with quiet_torch_ao():
-            return self.ao.convert_fx(
+            converted = self.ao.convert_fx(
                 module,
                 convert_custom_config=spec.convert_custom_config,
                 backend_config=self.backend_config(spec),
             )
+        from qlightning.qconfigs import clamp_quantized_weights
+
+        names = dict(converted.named_modules())
+        for name, (low, high) in ranges.items():
+            if name in names and (low, high) != (-128, 127):
+                clamp_quantized_weights(names[name], low, high)
+        return converted
 
     def quant_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for name, m in module.named_modules():

@@ -15,13 +15,17 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
+from qlightning.checkpoint import ResumableDataLoader
+
 
 class EpochShuffleSampler(Sampler[int]):
     """A shuffling sampler whose order depends only on (seed, epoch).
 
     Lightning calls ``set_epoch`` before every epoch, so a run resumed from a checkpoint sees the
     same order in each epoch as the uninterrupted run (a plain ``shuffle=True`` loader re-created
-    on resume would restart its generator).
+    on resume would restart its generator). The training loader is a
+    :class:`~qlightning.checkpoint.ResumableDataLoader`, so a checkpoint taken in the middle of an
+    epoch resumes with the batch that comes next in this order.
     """
 
     def __init__(self, size: int, seed: int) -> None:
@@ -71,6 +75,8 @@ class DigitsDataModule(pl.LightningDataModule):
         self.seed = seed
         self.as_sequence = as_sequence
         self.splits: dict[str, TensorDataset] = {}
+        self._train_loader: ResumableDataLoader | None = None
+        self._train_loader_state: dict[str, Any] | None = None  # from a checkpoint, for the next train loader
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
@@ -91,14 +97,40 @@ class DigitsDataModule(pl.LightningDataModule):
         }
         self.splits = {name: TensorDataset(images[idx], labels[idx]) for name, idx in parts.items()}
 
-    def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
+    def _loader(self, split: str) -> DataLoader:
         self.setup()
-        data = self.splits[split]
-        sampler = EpochShuffleSampler(len(data), self.seed) if shuffle else None
-        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+        return DataLoader(self.splits[split], batch_size=self.batch_size)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        """Shuffled in a (seed, epoch) order; resumes mid-epoch at the batch a checkpoint stopped before."""
+        self.setup()
+        data = self.splits["train"]
+        resume_state, self._train_loader_state = self._train_loader_state, None
+        sampler = EpochShuffleSampler(len(data), self.seed)
+        self._train_loader = ResumableDataLoader(
+            data, batch_size=self.batch_size, sampler=sampler, resume_state=resume_state
+        )
+        return self._train_loader
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training loader's position (plain data), saved by Lightning in every checkpoint.
+
+        Lightning also saves and restores a stateful training loader itself, but (Lightning 2.6,
+        issue #20550) not when ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``
+        (as :class:`ClassifierModule` does): the loader is then built before the checkpoint's loop
+        state is restored and never gets its state. A data module's state is restored before that,
+        so it is handed to the next training loader from here.
+        """
+        loader = getattr(self.trainer, "train_dataloader", None) if self.trainer is not None else None
+        if not isinstance(loader, ResumableDataLoader):
+            loader = self._train_loader  # the one Lightning iterates, unless it re-created it (DDP)
+        if loader is None:
+            return {} if self._train_loader_state is None else {"train_loader": dict(self._train_loader_state)}
+        return {"train_loader": loader.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get("train_loader")
+        self._train_loader_state = dict(state) if state else None
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val")

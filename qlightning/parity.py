@@ -1,0 +1,438 @@
+"""The parity gate: fp32, fake-quant, int8 and every exported artifact compared on held-out batches.
+
+Two measures, each between a candidate and a reference on the same inputs:
+
+* SQNR in dB, ``10 log10(sum(ref^2) / sum((ref - candidate)^2))`` over every output element;
+* top-1 agreement, the share of samples whose argmax over the last dimension agrees (outputs with a
+  class dimension only).
+
+Gated (thresholds ``parity.min_sqnr_db`` / ``parity.min_top1_agreement``): the int8 model against its
+reference, the same quantized graph simulated in float (a broken conversion, lowering or scale shows
+here), and each artifact against the int8 model. Reported only: fake-quant and int8 against fp32
+(what quantization costs) and int8 against fake-quant.
+
+Per layer, the same SQNR is measured on the output of every module of the quantized graph
+(``torch.fx.Interpreter`` records each node; a layer's value is taken after the quantize/dequantize or
+fake-quant steps that follow it), which names the worst layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from qlightning.engines.base import Inputs
+from qlightning.errors import QLightningError
+
+MAX_SQNR_DB = 200.0  # identical outputs; keeps report.json plain JSON (no Infinity)
+
+
+class ParityError(QLightningError, RuntimeError):
+    """An int8 model or an exported artifact does not reproduce what it should (see ``parity.*``)."""
+
+
+def sqnr_db(reference: torch.Tensor, candidate: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``candidate`` against ``reference``, in dB (capped at 200)."""
+    ref = reference.detach().double().flatten()
+    cand = candidate.detach().double().flatten()
+    if ref.shape != cand.shape:
+        return -MAX_SQNR_DB
+    return _ratio_db(float(ref.pow(2).sum()), float((ref - cand).pow(2).sum()))
+
+
+def _ratio_db(signal: float, noise: float) -> float:
+    if not math.isfinite(noise) or not math.isfinite(signal):
+        return -MAX_SQNR_DB
+    if noise <= 0.0:
+        return MAX_SQNR_DB
+    if signal <= 0.0:
+        return -MAX_SQNR_DB
+    return max(-MAX_SQNR_DB, min(MAX_SQNR_DB, 10.0 * math.log10(signal / noise)))
+
+
+def top1_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> Optional[float]:
+    """Share of rows whose argmax over the last dim agrees; ``None`` when there is no class dimension."""
+    if reference.dim() < 2 or reference.shape[-1] < 2 or reference.shape != candidate.shape:
+        return None
+    return float((reference.argmax(-1) == candidate.argmax(-1)).double().mean())
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def capture_heldout(
+    pl_module: nn.Module,
+    datamodule: Any,
+    targets: Sequence[str],
+    batches: int,
+    trainer_factory: Callable[[int], Any],
+) -> dict[str, list[Inputs]]:
+    """Inputs of each quantized submodule on the first ``batches`` test batches.
+
+    Runs ``trainer.test`` (so the LightningModule's own ``test_step`` feeds the submodules) with a
+    forward pre-hook on each target; returns an empty list for a target whose inputs were not seen.
+    """
+    from qlightning.report import quiet_lightning
+
+    captured: dict[str, list[Inputs]] = {name: [] for name in targets}
+    handles = []
+    for name in targets:
+
+        def grab(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+            detach = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+            captured[name].append(Inputs(tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}))
+
+        handles.append(pl_module.get_submodule(name).register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        with quiet_lightning():
+            trainer_factory(batches).test(pl_module, datamodule=datamodule, verbose=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+
+def first_tensor(value: Any) -> torch.Tensor:
+    from qlightning.export import flat_tensors
+
+    tensors = flat_tensors(value)
+    if not tensors:
+        raise TypeError(f"the module returned no tensor ({type(value).__name__})")
+    return tensors[0]
+
+
+def run_batches(fn: Callable[..., Any], batches: Sequence[tuple[Any, ...]]) -> list[torch.Tensor]:
+    """Every output tensor of ``fn`` on each batch of positional args, flattened per batch and concatenated."""
+    from qlightning.export import flat_tensors
+
+    per_output: list[list[torch.Tensor]] = []
+    with torch.inference_mode():
+        for args in batches:
+            outs = flat_tensors(fn(*args))
+            if not per_output:
+                per_output = [[] for _ in outs]
+            for i, o in enumerate(outs[: len(per_output)]):
+                per_output[i].append(o.detach().float().cpu())
+    return [torch.cat(parts) if parts[0].dim() > 0 else torch.stack(parts) for parts in per_output]
+
+
+@dataclass
+class Check:
+    """One candidate against one reference on the held-out inputs of one quantized submodule."""
+
+    module: str
+    candidate: str
+    reference: str
+    sqnr_db: Optional[float]
+    top1_agreement: Optional[float]
+    gated: bool
+    passed: bool = True
+    samples: int = 0
+    error: Optional[str] = None
+
+    def breach(self, min_sqnr_db: float, min_top1: float) -> list[str]:
+        problems = []
+        if self.error:
+            problems.append(self.error)
+        if self.sqnr_db is not None and self.sqnr_db < min_sqnr_db:
+            problems.append(f"SQNR {self.sqnr_db:.1f} dB < {min_sqnr_db:g} dB (parity.min_sqnr_db)")
+        if self.top1_agreement is not None and self.top1_agreement < min_top1:
+            problems.append(f"top-1 agreement {self.top1_agreement:.3f} < {min_top1:g} (parity.min_top1_agreement)")
+        return problems
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["sqnr_db"] = None if self.sqnr_db is None else round(self.sqnr_db, 3)
+        d["top1_agreement"] = None if self.top1_agreement is None else round(self.top1_agreement, 5)
+        return d
+
+
+def compare(
+    module: str,
+    outputs: dict[str, Optional[list[torch.Tensor]]],
+    pairs: Iterable[tuple[str, str, bool]],
+    errors: Optional[dict[str, str]] = None,
+) -> list[Check]:
+    """A :class:`Check` per ``(candidate, reference, gated)`` pair; a missing candidate is a failed check."""
+    checks = []
+    errors = errors or {}
+    for candidate, reference, gated in pairs:
+        cand, ref = outputs.get(candidate), outputs.get(reference)
+        if cand is None or ref is None:
+            missing = candidate if cand is None else reference
+            checks.append(
+                Check(module, candidate, reference, None, None, gated, False, 0,
+                      error=f"{missing} could not be run: {errors.get(missing, 'not available')}")
+            )
+            continue
+        signal = noise = 0.0
+        for r, c in zip(ref, cand):
+            if r.shape != c.shape:
+                signal, noise = 1.0, float("inf")
+                break
+            signal += float(r.double().pow(2).sum())
+            noise += float((r.double() - c.double()).pow(2).sum())
+        top1 = top1_agreement(ref[0], cand[0]) if ref and cand else None
+        samples = int(ref[0].shape[0]) if ref and ref[0].dim() > 0 else 1
+        checks.append(Check(module, candidate, reference, _ratio_db(signal, noise), top1, gated, True, samples))
+    return checks
+
+
+def gate(checks: Sequence[Check], min_sqnr_db: float, min_top1: float) -> list[tuple[Check, list[str]]]:
+    """The gated checks that breach a threshold (marking them failed), with what each breaches."""
+    breaches = []
+    for check in checks:
+        if not check.gated:
+            continue
+        problems = check.breach(min_sqnr_db, min_top1)
+        check.passed = not problems
+        if problems:
+            breaches.append((check, problems))
+    return breaches
+
+
+def breach_message(
+    breaches: Sequence[tuple[Check, list[str]]],
+    min_sqnr_db: float,
+    min_top1: float,
+    layers: Sequence[dict[str, Any]],
+    source: str,
+) -> str:
+    """One message naming every breaching artifact and the worst layers."""
+    lines = [
+        f"parity gate: {len(breaches)} breach(es) (SQNR >= {min_sqnr_db:g} dB, top-1 agreement >= {min_top1:g}; "
+        f"inputs: {source})"
+    ]
+    for check, problems in breaches:
+        lines.append(f"  - {check.module}: {check.candidate} vs {check.reference}: " + "; ".join(problems))
+    first = next((row for row in layers if (row.get("conversion_sqnr_db") or MAX_SQNR_DB) < min_sqnr_db), None)
+    if first is not None:
+        lines.append(
+            f"  first layer where int8 departs from its float-simulated reference (graph order): {first['layer']} "
+            f"({first['conversion_sqnr_db']:.1f} dB)"
+        )
+    for column, title in (("conversion_sqnr_db", "int8 vs its float-simulated reference"), ("int8_sqnr_db", "int8 vs fp32")):
+        worst = worst_layers(layers, column, 5)
+        value = {row["layer"]: row.get(column) for row in layers}
+        if worst:
+            lines.append(f"  worst layers ({title}): " + ", ".join(f"{n} {value[n]:.1f} dB" for n in worst))
+    lines.append(
+        "  (parity.on_breach=warn keeps the run going; thresholds: parity.min_sqnr_db, parity.min_top1_agreement)"
+    )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- per layer
+
+
+def _is_quant_module(module: Any) -> bool:
+    return hasattr(module, "fake_quant_enabled") or hasattr(module, "calculate_qparams")
+
+
+def _is_quant_step(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return _is_quant_module(gm.get_submodule(node.target))
+    if node.op == "call_method":
+        return node.target == "dequantize"
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "") or str(node.target)
+        return (
+            node.target in (torch.quantize_per_tensor, torch.quantize_per_channel, torch.dequantize)
+            or "quantized_decomposed" in str(node.target)
+            or name in ("quantize_per_tensor", "dequantize")
+        )
+    return False
+
+
+def layer_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """``{layer (call_module target): node whose value is the layer's (re)quantized output}``."""
+    layers = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or _is_quant_step(gm, node):
+            continue
+        end = node
+        while len(end.users) == 1:
+            user = next(iter(end.users))
+            if not _is_quant_step(gm, user):
+                break
+            end = user
+        layers[str(node.target)] = end.name
+    return layers
+
+
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, keep: set[str]) -> None:
+        super().__init__(gm)
+        self.keep = keep
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.name in self.keep and isinstance(out, torch.Tensor):
+            self.values[n.name] = (out.dequantize() if out.is_quantized else out).detach().float()
+        return out
+
+
+def record(gm: torch.fx.GraphModule, args: tuple[Any, ...], keep: set[str]) -> dict[str, torch.Tensor]:
+    recorder = _Recorder(gm, keep)
+    with torch.inference_mode():
+        recorder.run(*args)
+    return recorder.values
+
+
+def per_layer_sqnr(
+    prefix: str,
+    versions: dict[str, Optional[nn.Module]],
+    batches: Sequence[tuple[Any, ...]],
+    pairs: Sequence[tuple[str, str, str]] = (
+        ("fake_quant_sqnr_db", "fake_quant", "fp32"),
+        ("int8_sqnr_db", "int8", "fp32"),
+        ("conversion_sqnr_db", "int8", "reference"),
+    ),
+) -> list[dict[str, Any]]:
+    """SQNR of every layer's output for each ``(column, candidate, reference)`` of graph-mode versions.
+
+    Returns one row per layer in graph order: ``{"layer": "<prefix>.<module path>", column: dB, ...}``.
+    Layers are the ``call_module`` nodes of the int8 graph that the other versions have too; columns
+    whose versions are not GraphModules are left out.
+    """
+    graphs = {k: v for k, v in versions.items() if isinstance(v, torch.fx.GraphModule)}
+    if "int8" not in graphs:
+        return []
+    nodes = {k: layer_nodes(g) for k, g in graphs.items()}
+    order = list(nodes["int8"])
+    sums: dict[tuple[str, str], list[float]] = {}
+    for args in batches:
+        values = {k: record(g, args, set(nodes[k].values())) for k, g in graphs.items()}
+        for column, cand, ref in pairs:
+            if cand not in graphs or ref not in graphs:
+                continue
+            for layer in order:
+                a = values[cand].get(nodes[cand].get(layer, ""))
+                b = values[ref].get(nodes[ref].get(layer, ""))
+                if a is None or b is None or a.shape != b.shape:
+                    continue
+                acc = sums.setdefault((layer, column), [0.0, 0.0])
+                acc[0] += float(b.double().pow(2).sum())
+                acc[1] += float((a.double() - b.double()).pow(2).sum())
+    table: list[dict[str, Any]] = []
+    for layer in order:
+        row = {column: round(_ratio_db(*sums[(layer, column)]), 3) for column, _, _ in pairs if (layer, column) in sums}
+        if row:
+            table.append({"layer": f"{prefix}.{layer}" if prefix else layer, **row})
+    return table
+
+
+def worst_layers(layers: Sequence[dict[str, Any]], column: str = "int8_sqnr_db", count: int = 5) -> list[str]:
+    """The ``count`` layers with the lowest SQNR in ``column``."""
+    rows = [(row[column], row["layer"]) for row in layers if row.get(column) is not None]
+    return [name for _, name in sorted(rows)[:count]]
+
+
+# ---------------------------------------------------------------------------------------------- ranges
+
+
+def _fq_range(m: Any) -> tuple[float, int, int, int, float, float]:
+    scale = float(m.scale.detach().float().reshape(-1)[0])
+    zp = int(m.zero_point.detach().reshape(-1)[0])
+    qmin, qmax = int(m.quant_min), int(m.quant_max)
+    return scale, zp, qmin, qmax, scale * (qmin - zp), scale * (qmax - zp)
+
+
+def activation_ranges(prefix: str, fake_quant: nn.Module, batches: Sequence[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """Per activation fake-quant of the QAT model (graph order): scale, zero point, representable range
+    and, on held-out data, the range of the values reaching it and the share of them outside the
+    fake-quant range (clipped by fake-quant) and outside the int8 dtype range (clipped by int8)."""
+    if not isinstance(fake_quant, torch.fx.GraphModule):
+        return []
+    entries = []
+    for node in fake_quant.graph.nodes:
+        if node.op == "call_module" and _is_quant_module(fake_quant.get_submodule(node.target)):
+            m = fake_quant.get_submodule(node.target)
+            if not hasattr(m, "scale") or m.scale.numel() != 1:
+                continue
+            source = node.args[0] if node.args else None
+            if not isinstance(source, torch.fx.Node):
+                continue
+            label = str(source.target) if source.op in ("call_module", "placeholder") else source.name
+            if source.op == "placeholder":
+                label = f"input {source.name}"
+            entries.append((node, source, label, m))
+    if not entries:
+        return []
+    keep = {source.name for _, source, _, _ in entries}
+    stats = {label: [math.inf, -math.inf, 0, 0, 0] for _, _, label, _ in entries}
+    for args in batches:
+        values = record(fake_quant, args, keep)
+        for _, source, label, m in entries:
+            v = values.get(source.name)
+            if v is None:
+                continue
+            scale, zp, qmin, qmax, low, high = _fq_range(m)
+            dtype = getattr(m, "dtype", torch.quint8)
+            info = torch.iinfo(torch.uint8 if dtype in (torch.quint8, torch.uint8) else torch.int8)
+            s = stats[label]
+            s[0], s[1] = min(s[0], float(v.min())), max(s[1], float(v.max()))
+            s[2] += int(((v < low) | (v > high)).sum())
+            s[3] += int(((v < scale * (info.min - zp)) | (v > scale * (info.max - zp))).sum())
+            s[4] += v.numel()
+    out = []
+    for _, _, label, m in entries:
+        scale, zp, qmin, qmax, low, high = _fq_range(m)
+        s = stats[label]
+        out.append(
+            {
+                "after": f"{prefix}.{label}" if prefix and not label.startswith("input ") else label,
+                "scale": scale,
+                "zero_point": zp,
+                "quant_min": qmin,
+                "quant_max": qmax,
+                "range": [round(low, 6), round(high, 6)],
+                "observed": [round(s[0], 6), round(s[1], 6)] if s[4] else None,
+                "clipped_fake_quant": round(s[2] / s[4], 6) if s[4] else None,
+                "clipped_int8": round(s[3] / s[4], 6) if s[4] else None,
+            }
+        )
+    return out
+
+
+def weight_ranges(prefix: str, int8: nn.Module) -> list[dict[str, Any]]:
+    """Per quantized weight of the int8 model (module order): shape, dtype, scheme, float range, scale range."""
+    out = []
+    for name, m in int8.named_modules():
+        weight = getattr(m, "weight", None)
+        if not callable(weight) or isinstance(weight, torch.Tensor):
+            continue
+        try:
+            w = weight()
+        except Exception:
+            continue
+        if not isinstance(w, torch.Tensor) or not w.is_quantized:
+            continue
+        if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+            scales = w.q_per_channel_scales().float()
+            axis: Optional[int] = int(w.q_per_channel_axis())
+        else:
+            scales, axis = torch.tensor([w.q_scale()]), None
+        deq = w.dequantize()
+        out.append({
+            "layer": f"{prefix}.{name}" if prefix else name,
+            "shape": list(w.shape),
+            "dtype": str(w.dtype).replace("torch.", ""),
+            "qscheme": str(w.qscheme()).replace("torch.", ""),
+            "axis": axis,
+            "min": round(float(deq.min()), 6),
+            "max": round(float(deq.max()), 6),
+            "scale_min": float(scales.min()),
+            "scale_max": float(scales.max()),
+            "int_repr_min": int(w.int_repr().min()),
+            "int_repr_max": int(w.int_repr().max()),
+        })
+    return out

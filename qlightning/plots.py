@@ -1,0 +1,165 @@
+"""PNG plots of the report: per-layer SQNR bars, QAT scales/phases over steps, latency per artifact.
+
+matplotlib's object API with the Agg canvas only: no pyplot, no global backend switch, no display.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+PLOTS_DIR = "plots"
+COLUMNS = {
+    "fake_quant_sqnr_db": "fake-quant vs fp32",
+    "int8_sqnr_db": "int8 vs fp32",
+    "conversion_sqnr_db": "int8 vs float-simulated int8",
+}
+
+
+def _save(fig: Any, path: Path, contents: list[str]) -> Path:
+    """Write a PNG whose text chunk ``Contents`` lists what it shows (layers, series), for tools and tests."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(str(path), format="png", metadata={"Software": "qlightning", "Contents": json.dumps(contents)})
+    return path
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def per_layer_sqnr(layers: list[dict[str, Any]], path: Path, worst: Optional[list[str]] = None) -> Optional[Path]:
+    """Grouped horizontal bars of float vs quantized SQNR, one group per layer (in graph order).
+
+    The conversion column (int8 vs its float simulation, ~50 dB up to the 200 dB cap) is left to the
+    table of report.md; here the bars show what quantization costs per layer.
+    """
+    if not layers:
+        return None
+    names = [row["layer"] for row in layers]
+    columns = [c for c in ("fake_quant_sqnr_db", "int8_sqnr_db") if any(row.get(c) is not None for row in layers)]
+    if not columns:
+        return None
+    worst = list(worst or [])[:5]
+    fig = _figure(9, max(3.0, 0.5 * len(names) + 1.5))
+    ax = fig.add_subplot(1, 1, 1)
+    height = 0.8 / len(columns)
+    for i, column in enumerate(columns):
+        values = [row.get(column) for row in layers]
+        ys = [j + (i - (len(columns) - 1) / 2) * height for j in range(len(names))]
+        bars = ax.barh(ys, [v if v is not None else 0.0 for v in values], height=height, label=COLUMNS[column])
+        for bar, v in zip(bars, values):
+            if v is not None:
+                ax.annotate(f"{v:.1f}", (bar.get_width(), bar.get_y() + bar.get_height() / 2), xytext=(3, 0),
+                            textcoords="offset points", va="center", fontsize=7)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=8)
+    for label in ax.get_yticklabels():
+        if label.get_text() in worst:
+            label.set_color("#c0392b")
+            label.set_fontweight("bold")
+    ax.invert_yaxis()
+    ax.set_xlabel("SQNR (dB) against fp32, higher is better")
+    ax.set_title("Per-layer SQNR on held-out batches" + (" (worst five in red)" if worst else ""))
+    ax.grid(axis="x", alpha=0.3)
+    ax.margins(x=0.12)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return _save(fig, path, names)
+
+
+def find_metrics_csv(run_dir: Path) -> Optional[Path]:
+    """The CSV logger's ``metrics.csv`` under the run directory, if any."""
+    found = sorted(Path(run_dir).glob("**/metrics.csv"))
+    return found[0] if found else None
+
+
+def read_qat_series(metrics_csv: Path) -> dict[str, list[tuple[float, float]]]:
+    """``{column: [(step, value), ...]}`` for every ``qat/*`` column of a Lightning CSV log."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    with open(metrics_csv, newline="") as fh:
+        for row in csv.DictReader(fh):
+            step = row.get("step")
+            if step in (None, ""):
+                continue
+            for key, value in row.items():
+                if key and key.startswith("qat/") and value not in (None, ""):
+                    try:
+                        series.setdefault(key, []).append((float(step), float(value)))
+                    except ValueError:
+                        continue
+    return series
+
+
+def scale_evolution(metrics_csv: Optional[Path], path: Path) -> Optional[Path]:
+    """Scales logged as ``qat/scale/*`` (if the callback logs them) and the QAT phase flags, over steps."""
+    if metrics_csv is None or not Path(metrics_csv).is_file():
+        return None
+    series = read_qat_series(Path(metrics_csv))
+    if not series:
+        return None
+    scales = {k: v for k, v in series.items() if k.startswith("qat/scale")}
+    flags = {k: v for k, v in series.items() if not k.startswith("qat/scale")}
+    panels = [p for p in (scales, flags) if p]
+    fig = _figure(9, 3.2 * len(panels) + 0.5)
+    for i, panel in enumerate(panels):
+        ax = fig.add_subplot(len(panels), 1, i + 1)
+        for offset, (key, points) in enumerate(sorted(panel.items())):
+            xs, ys = zip(*points)
+            if panel is flags:  # stacked step lines, so the 0/1 flags do not hide each other
+                ax.step(xs, [y + 1.5 * offset for y in ys], where="post", label=key.removeprefix("qat/"))
+            else:
+                ax.plot(xs, ys, label=key.removeprefix("qat/scale/"))
+        if panel is flags:
+            ax.set_yticks([])
+            ax.set_title("QAT phase over training steps (each flag: low = off, high = on)")
+        else:
+            ax.set_ylabel("scale")
+            ax.set_yscale("log")
+            ax.set_title("Quantization scales over training steps")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return _save(fig, path, sorted(series))
+
+
+def latency(latency_ms: dict[str, dict[str, dict[str, float]]], path: Path) -> Optional[Path]:
+    """Median latency of fp32, int8 and each artifact, one panel per batch size (log scale)."""
+    rows = [(f"{m}:{v}" if len(latency_ms) > 1 else v, by_batch) for m, variants in latency_ms.items() for v, by_batch in variants.items()]
+    batches = sorted({b for _, by_batch in rows for b in by_batch}, key=lambda b: int(b))
+    if not rows or not batches:
+        return None
+    fig = _figure(4.2 * len(batches), 3.6)
+    for i, batch in enumerate(batches):
+        ax = fig.add_subplot(1, len(batches), i + 1)
+        names = [n for n, by_batch in rows if by_batch.get(batch) is not None]
+        values = [by_batch[batch] for _, by_batch in rows if by_batch.get(batch) is not None]
+        ax.bar(range(len(names)), values, color=["#888888" if n.endswith("fp32") else "#1f77b4" for n in names])
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("ms (median)")
+        if values and min(values) > 0 and max(values) / min(values) > 20:
+            ax.set_yscale("log")
+        ax.set_title(f"batch {batch}")
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return _save(fig, path, [name for name, _ in rows])
+
+
+def render(report: dict[str, Any], run_dir: Path) -> dict[str, str]:
+    """Every plot the report has data for, under ``<run_dir>/plots``; returns ``{name: relative path}``."""
+    run_dir = Path(run_dir)
+    out = run_dir / PLOTS_DIR
+    made: dict[str, Optional[Path]] = {
+        "per_layer_sqnr": per_layer_sqnr(report.get("layers") or [], out / "per_layer_sqnr.png", report.get("worst_layers")),
+        "scale_evolution": scale_evolution(find_metrics_csv(run_dir), out / "scale_evolution.png"),
+        "latency": latency((report.get("latency_detail") or {}).get("ms") or {}, out / "latency.png"),
+    }
+    return {k: str(v.relative_to(run_dir)) for k, v in made.items() if v is not None}

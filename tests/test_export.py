@@ -1,0 +1,187 @@
+"""Exports of `qlightning train` and `qlightning export`: every artifact reloaded in a fresh process and run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from qlightning.parity import sqnr_db, top1_agreement
+
+FORMATS = ("torchscript", "onnx", "pt2")
+FILES = {"torchscript": "int8_net.pt", "onnx": "int8_net.onnx", "pt2": "int8_net.pt2"}
+
+
+def qlightning(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qlightning.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "HYDRA_FULL_ERROR": "1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """One 4-epoch `qlightning train recipe=digits_fast` run with the default export formats."""
+    tmp = tmp_path_factory.mktemp("export")
+    out = qlightning(
+        "train", "recipe=digits_fast", f"hydra.run.dir={tmp}/run", "trainer.enable_progress_bar=false",
+        "report.latency_repeats=5", cwd=tmp,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def int8_reference(run_dir):
+    """Digits images and the int8 model's outputs on them (the model rebuilt from the checkpoint)."""
+    from sklearn.datasets import load_digits
+
+    from qlightning import restore
+    from qlightning.examples import DigitsClassifier
+
+    model = restore(DigitsClassifier(), run_dir / "checkpoints" / "last.ckpt")
+    images = torch.tensor(load_digits().images / 16.0, dtype=torch.float32).unsqueeze(1)
+    with torch.no_grad():
+        return images, model.net(images)
+
+
+def test_default_job_writes_every_artifact_with_a_manifest(run_dir):
+    report = json.loads((run_dir / "report.json").read_text())
+    assert set(report["exports"]["net"]) == set(FORMATS)
+    for fmt, name in FILES.items():
+        art = report["exports"]["net"][fmt]
+        assert art["error"] is None and art["path"] == name
+        assert (run_dir / name).stat().st_size == art["size_bytes"] > 0
+        manifest = json.loads((run_dir / f"{name}.json").read_text())
+        assert manifest["format"] == fmt and manifest["file"] == name and manifest["backend"] == "x86"
+        assert manifest["inputs"] == [{"name": "x", "shape": ["batch", 1, 8, 8], "dtype": "float32"}]
+        assert manifest["outputs"] == [{"name": "output", "shape": ["batch", 10], "dtype": "float32"}]
+        assert len(manifest["qparams"]["activations"]) == 8 and len(manifest["qparams"]["weights"]) == 4
+        assert {w["layer"] for w in manifest["qparams"]["weights"]} == {"features.0.0", "features.1.0", "features.3.0", "classifier"}
+        assert manifest["provenance"]["recipe"]["name"] == "digits_fast"
+        assert manifest["provenance"]["trained_with"]["torch"] == manifest["provenance"]["exported_with"]["torch"] == torch.__version__
+        assert manifest["provenance"]["quant"]["backend"] == "x86"
+    assert report["parity"]["passed"] is True
+    assert {Path(p).name for p in report["plots"].values()} >= {"per_layer_sqnr.png", "scale_evolution.png", "latency.png"}
+    assert all((run_dir / p).is_file() for p in report["plots"].values())
+
+
+FRESH = textwrap.dedent(
+    """
+    import sys, torch
+    fmt, path, inputs, out = sys.argv[1:]
+    x = torch.load(inputs)
+    if fmt == "pt2":
+        m = torch.export.load(path).module()
+        run = lambda t: m(t)
+    elif fmt == "torchscript":
+        m = torch.jit.load(path)
+        run = lambda t: m(t)
+    else:
+        import onnxruntime as ort
+        s = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        name = s.get_inputs()[0].name
+        run = lambda t: torch.from_numpy(s.run(None, {name: t.numpy()})[0])
+    with torch.no_grad():
+        full, one = run(x), run(x[:1])  # dynamic batch: every image at once, then a single one
+    loaded = sorted(m for m in sys.modules if m.startswith(("qlightning", "torch.ao.quantization.fx._decomposed")))
+    torch.save({"full": full, "one": one, "modules": loaded}, out)
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_artifact_reloads_in_a_fresh_process_and_reproduces_int8(run_dir, int8_reference, tmp_path, fmt):
+    images, expected = int8_reference
+    torch.save(images, tmp_path / "inputs.pt")
+    script = tmp_path / "fresh.py"
+    script.write_text(FRESH)
+    done = subprocess.run(
+        [sys.executable, str(script), fmt, str(run_dir / FILES[fmt]), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    assert got["modules"] == []  # plain torch / onnxruntime: no qlightning, no torch.ao q/dq ops needed
+    assert got["full"].shape == expected.shape and got["one"].shape == (1, 10)
+    assert sqnr_db(expected, got["full"]) >= 30.0
+    assert top1_agreement(expected, got["full"]) >= 0.99
+    assert sqnr_db(expected[:1], got["one"]) >= 30.0
+
+
+def test_onnx_is_qdq_with_int8_weights_and_a_dynamic_batch(run_dir):
+    import onnx
+
+    model = onnx.load(str(run_dir / "int8_net.onnx"))
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("QuantizeLinear") == 8  # one per activation
+    assert ops.count("DequantizeLinear") == 12  # activations + the 4 weights
+    assert ops.count("Conv") == 3 and ("Gemm" in ops or "MatMul" in ops)
+    int8_weights = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) >= 2]
+    assert sorted(list(i.dims) for i in int8_weights) == sorted([[16, 1, 3, 3], [32, 16, 3, 3], [64, 32, 3, 3], [10, 64]])
+    batch = model.graph.input[0].type.tensor_type.shape.dim[0]
+    assert batch.dim_param and not batch.dim_value
+
+
+def test_pt2_with_quantized_decomposed_ops(run_dir, int8_reference, tmp_path):
+    """export.pt2_ops=quantized_decomposed keeps the PT2E q/dq ops (for lowering); torch.ao must be imported to load it."""
+    import torch.ao.quantization  # noqa: F401  registers quantized_decomposed
+
+    from qlightning import QuantizationAwareTraining, restore
+    from qlightning.engines import Inputs
+    from qlightning.examples import DigitsClassifier
+    from qlightning.export import export_module, load_artifact
+
+    images, expected = int8_reference
+    qat = QuantizationAwareTraining(modules=["net"])
+    model = restore(DigitsClassifier(), run_dir / "checkpoints" / "last.ckpt", callback=qat)
+    arts, _ = export_module(qat, model, "net", Inputs((images[:2],)), tmp_path, ["pt2"], pt2_ops="quantized_decomposed")
+    assert arts[0].error is None, arts[0].error
+    program = torch.export.load(str(arts[0].path))
+    assert "quantized_decomposed.dequantize_per_channel" in str(program.graph)
+    with torch.no_grad():
+        assert sqnr_db(expected, load_artifact(arts[0].path, "pt2")(images)) >= 30.0
+
+
+def test_export_and_report_commands(run_dir, tmp_path):
+    out = qlightning("export", str(run_dir / "checkpoints" / "last.ckpt"), "--formats", "onnx,pt2", "--out", str(tmp_path / "exp"), "--no-report", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "parity net:           onnx vs int8" in out.stdout
+    for name in ("int8_net.onnx", "int8_net.onnx.json", "int8_net.pt2", "int8_net.pt2.json", "report.json", "report.md"):
+        assert (tmp_path / "exp" / name).is_file(), name
+    exported = json.loads((tmp_path / "exp" / "report.json").read_text())
+    assert exported["parity"]["passed"] and set(exported["exports"]["net"]) == {"onnx", "pt2"}
+
+    # `qlightning report` renders report.md and the plots again from report.json (and the CSV log)
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("*.ckpt", "plots", "report.md"))
+    again = qlightning("report", str(copy), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    text = (copy / "report.md").read_text()
+    assert text.startswith("# qlightning report")
+    for heading in ("## Exported artifacts", "## Parity", "## Per-layer SQNR", "## Size on disk and latency", "## Plots"):
+        assert heading in text
+    assert {p.name for p in (copy / "plots").iterdir()} == {"per_layer_sqnr.png", "scale_evolution.png", "latency.png"}
+
+
+def test_export_command_errors(tmp_path, capsys):
+    from qlightning.cli import main
+
+    assert main(["export", str(tmp_path / "missing.ckpt")]) == 2
+    assert "no such checkpoint" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no report.json" in capsys.readouterr().err
+
+
+def test_bad_export_format_is_a_config_error(run_dir, capsys):
+    from qlightning.cli import main
+
+    assert main(["export", str(run_dir / "checkpoints" / "last.ckpt"), "--formats", "tflite"]) == 2
+    assert "--formats: unknown format(s) ['tflite']; valid: ['torchscript', 'onnx', 'pt2']" in capsys.readouterr().err

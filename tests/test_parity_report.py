@@ -1,0 +1,196 @@
+"""The parity gate and the extended report on a real (4-epoch) digits QAT run, in process."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from conftest import make_trainer
+from qlightning import QuantizationAwareTraining
+from qlightning import export as exporting
+from qlightning.artifacts import export_and_check, markdown_sections, section
+from qlightning.examples import DigitsClassifier, DigitsDataModule
+from qlightning.parity import ParityError, sqnr_db, top1_agreement
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+QUANTIZED_LAYERS = ["net.features.0.0", "net.features.1.0", "net.features.3.0", "net.classifier"]
+
+
+@pytest.fixture(scope="module")
+def qat_run():
+    pl.seed_everything(0)
+    dm = DigitsDataModule(seed=0)
+    model = DigitsClassifier()
+    qat = QuantizationAwareTraining(
+        modules=["net"], fake_quant_start={"epoch": 1}, observer_freeze={"epoch": 3}, bn_freeze={"epoch": 3}
+    )
+    make_trainer([qat], max_epochs=4).fit(model, datamodule=dm)
+    assert qat.converted
+    return model, dm, qat
+
+
+def configs(formats=("torchscript", "onnx", "pt2"), report=True, **parity):
+    export_cfg = section(None, "export")
+    export_cfg["formats"] = list(formats)
+    parity_cfg = {**section(None, "parity"), **parity}
+    report_cfg = {**section(None, "report"), "latency_repeats": 5, "enabled": report}
+    return export_cfg, parity_cfg, report_cfg
+
+
+@pytest.fixture(scope="module")
+def report(qat_run, tmp_path_factory):
+    model, dm, qat = qat_run
+    out = tmp_path_factory.mktemp("run")
+    extra = export_and_check(qat, model, dm, out, *configs())
+    return out, extra
+
+
+def png_contents(path: Path) -> list[str]:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return json.loads(image.info["Contents"])
+
+
+def check_png(path: Path, min_size: int = 200) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    pixels = matplotlib.image.imread(str(path))
+    assert pixels.ndim == 3 and pixels.shape[0] >= min_size and pixels.shape[1] >= min_size
+    assert pixels.std() > 0  # not a blank canvas
+
+
+def test_sqnr_and_top1_agreement():
+    x = torch.randn(100, 10, generator=torch.Generator().manual_seed(0))
+    assert sqnr_db(x, x) == 200.0
+    assert sqnr_db(x, x + 0.01 * x) == pytest.approx(40.0, abs=1e-6)
+    assert sqnr_db(x, torch.zeros_like(x)) == pytest.approx(0.0, abs=1e-9)
+    assert top1_agreement(x, x) == 1.0
+    assert top1_agreement(x[:, 0], x[:, 0]) is None  # no class dimension
+
+
+def test_gate_passes_and_report_has_every_part(report):
+    out, extra = report
+    parity = extra["parity"]
+    assert parity["passed"] and not parity["breaches"]
+    assert parity["samples"] == 270 and "test loader" in parity["inputs"]
+    gated = {(c["candidate"], c["reference"]): c for c in parity["checks"] if c["gated"]}
+    assert set(gated) == {("int8", "int8_reference"), ("torchscript", "int8"), ("onnx", "int8"), ("pt2", "int8")}
+    for check in gated.values():
+        assert check["sqnr_db"] >= 30 and check["top1_agreement"] >= 0.99, check
+    info = {(c["candidate"], c["reference"]) for c in parity["checks"] if not c["gated"]}
+    assert info == {("fake_quant", "fp32"), ("int8", "fp32"), ("int8", "fake_quant")}
+
+    names = [row["layer"] for row in extra["layers"]]
+    assert set(QUANTIZED_LAYERS) <= set(names)
+    assert names.index("net.features.0.0") < names.index("net.classifier")  # graph order
+    assert len(extra["worst_layers"]) == 5 and set(extra["worst_layers"]) <= set(names)
+    for row in extra["layers"]:
+        assert {"fake_quant_sqnr_db", "int8_sqnr_db", "conversion_sqnr_db"} <= set(row)
+
+    assert [w["layer"] for w in extra["ranges"]["weights"]] == QUANTIZED_LAYERS
+    for w in extra["ranges"]["weights"]:
+        assert w["dtype"] == "qint8" and w["min"] < 0 < w["max"] and 0 < w["scale_min"] <= w["scale_max"]
+    acts = extra["ranges"]["activations"]
+    after = [a["after"] for a in acts]
+    assert after[0] == "input x" and after[-1] == "net.classifier" and "net.features.0.0" in after
+    assert all(0.0 <= a["clipped_int8"] <= a["clipped_fake_quant"] <= 1.0 for a in acts)
+
+    latency = extra["latency_detail"]["ms"]["net"]
+    assert set(latency) == {"fp32", "int8", "torchscript", "onnx", "pt2"}
+    assert all(set(by_batch) == {"1", "32"} and min(by_batch.values()) > 0 for by_batch in latency.values())
+    sizes = extra["size_on_disk"]["net"]
+    assert sizes["int8"] < 0.4 * sizes["fp32"]
+    assert all(sizes[f] == (out / extra["exports"]["net"][f]["path"]).stat().st_size for f in ("torchscript", "onnx", "pt2"))
+
+    text = markdown_sections(extra)
+    for heading in ("## Exported artifacts", "## Parity", "## Per-layer SQNR", "## Weight ranges", "## Activation ranges", "## Size on disk and latency"):
+        assert heading in text
+    assert all(f"`{w}`" in text for w in extra["worst_layers"])
+    json.dumps(extra, allow_nan=False)  # plain JSON: no NaN / Infinity
+
+
+def test_plots_are_pngs_with_the_expected_layers(report):
+    out, extra = report
+    assert set(extra["plots"]) >= {"per_layer_sqnr", "latency"}
+    layers_png = out / extra["plots"]["per_layer_sqnr"]
+    check_png(layers_png)
+    assert png_contents(layers_png) == [row["layer"] for row in extra["layers"]]
+    latency_png = out / extra["plots"]["latency"]
+    check_png(latency_png)
+    assert png_contents(latency_png) == ["fp32", "int8", "torchscript", "onnx", "pt2"]
+
+
+def test_scale_evolution_plot_from_csv_metrics(tmp_path):
+    from qlightning import plots
+
+    rows = ["epoch,step,qat/fake_quant,qat/observe,qat/bn_frozen,qat/scale/net.activation_post_process_1,train/loss"]
+    for step in range(0, 60, 5):
+        rows.append(f"{step // 20},{step},{float(step >= 20)},{float(step < 40)},{float(step >= 40)},{0.05 / (1 + step / 30):.5f},0.5")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.csv").write_text("\n".join(rows) + "\n")
+    made = plots.render({}, tmp_path)
+    assert set(made) == {"scale_evolution"}
+    path = tmp_path / made["scale_evolution"]
+    check_png(path)
+    assert png_contents(path) == sorted(["qat/fake_quant", "qat/observe", "qat/bn_frozen", "qat/scale/net.activation_post_process_1"])
+
+
+@pytest.fixture
+def corrupted_scale(qat_run):
+    """The int8 model's input scale / 10: a broken conversion (inputs saturate, every layer is off)."""
+    model = qat_run[0]
+    scale = model.net.features_0_0_input_scale_0
+    original = scale.clone()
+    scale.mul_(0.1)
+    yield
+    scale.copy_(original)
+
+
+def test_broken_conversion_trips_the_gate(qat_run, corrupted_scale, tmp_path):
+    model, dm, qat = qat_run
+    with pytest.raises(ParityError) as info:
+        export_and_check(qat, model, dm, tmp_path, *configs(formats=("pt2",), report=False), base_report={"modules": ["net"]})
+    message = str(info.value)
+    assert "net: int8 vs int8_reference: SQNR" in message and "parity.min_sqnr_db" in message
+    assert "net: pt2 vs int8" in message  # the artifact (built from the QAT model) no longer matches int8
+    worst = next(line for line in message.splitlines() if "worst layers (int8 vs its float-simulated reference)" in line)
+    assert "net.features.0.0" in worst
+    assert "first layer where int8 departs from its float-simulated reference (graph order): net.features.0.0" in message
+    written = json.loads((tmp_path / "report.json").read_text())  # the run directory explains the failure
+    assert written["parity"]["passed"] is False and written["modules"] == ["net"]
+    assert len(written["parity"]["breaches"]) == 2
+
+
+def test_breach_names_the_broken_layer_and_can_warn(qat_run, tmp_path):
+    model, dm, qat = qat_run
+    conv = model.net.get_submodule("features.1.0")
+    original = conv.scale
+    conv.scale = original * 0.1  # the output (requantization) scale of one layer: its outputs saturate
+    try:
+        with pytest.warns(UserWarning, match="parity gate: 1 breach"):
+            extra = export_and_check(qat, model, dm, tmp_path, *configs(formats=(), report=False, on_breach="warn"))
+    finally:
+        conv.scale = original
+    assert extra["parity"]["passed"] is False
+    conversion = {row["layer"]: row["conversion_sqnr_db"] for row in extra["layers"]}
+    assert conversion["net.features.0.0"] >= 100  # untouched layer before the broken one
+    assert conversion["net.features.1.0"] < 30
+    assert "(graph order): net.features.1.0" in extra["parity"]["message"]
+
+
+def test_clipping_artifact_is_caught(qat_run, tmp_path, monkeypatch):
+    """Without full-range activations the .pt2 clips like fake-quant ([0, 127]), not like int8: the gate sees it."""
+    model, dm, qat = qat_run
+    monkeypatch.setattr(exporting, "full_range_activations", lambda gm: 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        extra = export_and_check(qat, model, dm, tmp_path, *configs(formats=("pt2",), report=False, on_breach="warn"))
+    failed = {(c["candidate"], c["reference"]) for c in extra["parity"]["checks"] if c["gated"] and not c["passed"]}
+    assert ("pt2", "int8") in failed
