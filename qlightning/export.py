@@ -407,6 +407,36 @@ class QdqProgram:
     output_names: list[str]
 
 
+def scalar_qparams(gm: torch.fx.GraphModule) -> int:
+    """Per-tensor q/dq with constant scale/zero point -> the ``.default`` overload with Python scalars.
+
+    The ONNX exporter translates only that overload (with ``.tensor`` it fails: "int() argument must
+    be ... not 'SymbolicTensor'"); per-tensor weights (qnnpack's default qconfig) produce ``.tensor``.
+    Returns how many nodes changed.
+    """
+    qd = _qd_ops()
+    targets = {qd.quantize_per_tensor.tensor: qd.quantize_per_tensor.default,
+               qd.dequantize_per_tensor.tensor: qd.dequantize_per_tensor.default}
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in targets or len(node.args) < 3:
+            continue
+        scale, zero_point = node.args[1], node.args[2]
+        if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in (scale, zero_point)):
+            continue
+        s_val, z_val = _fetch_attr(gm, scale.target), _fetch_attr(gm, zero_point.target)
+        if s_val.numel() != 1 or z_val.numel() != 1:
+            continue
+        node.target = targets[node.target]
+        node.args = (node.args[0], float(s_val.item()), int(z_val.item()), *node.args[3:])
+        changed += 1
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        _remove_unused_attrs(gm)
+    return changed
+
+
 def qdq_program(module: nn.Module, example: Inputs, dynamic_batch: bool = True) -> QdqProgram:
     """``torch.export`` a q/dq module, fold the weight quantization into int8 constants, export again."""
     args, dynamic = export_args(positional_args(module, example), dynamic_batch)
@@ -415,6 +445,7 @@ def qdq_program(module: nn.Module, example: Inputs, dynamic_batch: bool = True) 
         gm = first.module()
         ops = _op_sets()
         fold_constants(gm, keep=lambda n: n.target in ops["dq_tensor"] | ops["dq_channel"])
+        scalar_qparams(gm)
         program = torch.export.export(gm, args, dynamic_shapes=dynamic)
         with torch.no_grad():
             outputs = flat_tensors(program.module()(*args))

@@ -185,3 +185,21 @@ def test_bad_export_format_is_a_config_error(run_dir, capsys):
 
     assert main(["export", str(run_dir / "checkpoints" / "last.ckpt"), "--formats", "tflite"]) == 2
     assert "--formats: unknown format(s) ['tflite']; valid: ['torchscript', 'onnx', 'pt2']" in capsys.readouterr().err
+
+
+def test_per_tensor_weights_export_to_onnx_and_pass_the_gate(tmp_path):
+    """qnnpack's default qconfig quantizes weights per tensor: the ONNX exporter needs scalar q/dq params."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "qlightning.cli", "train", "recipe=digits_fast", "quant.backend=qnnpack",
+         f"hydra.run.dir={tmp_path}/run", "trainer.enable_progress_bar=false", "report.latency_repeats=3"],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["exports"]["net"]["onnx"]["error"] is None
+    gated = [c for c in report["parity"]["checks"] if c["gated"]]
+    assert gated and all(c["passed"] for c in gated)
