@@ -1,120 +1,337 @@
-"""python -m benchmarks [--threads N] [--repeats N]: QAT cost and int8 speed-up, side by side.
+"""python -m benchmarks [table|scaling|profile|equivalence] ...: QAT cost and int8 speed, side by side.
 
-Every ratio is taken from timings made in one process, interleaved, median of repeats:
-- QAT train step / float train step (forward + backward + Adam step, batch 64, fake-quant and
-  observers on) for the digits CNN;
-- float eager latency / int8 latency at batch 1 and batch 32.
-Writes benchmarks/results/latest.json and latest.md and prints the table.
+``table`` (the default) measures, for the digits CNN, a ResNet-18-like CNN and a 4-layer Transformer
+encoder, in one process per figure family, calls interleaved, medians of repeats:
+
+* QAT train step / float train step (forward + backward + Adam) for the plain torch.ao baseline
+  (``prepare_qat_fx``), qlightning's FX engine as shipped, qlightning FX with the proposed fast
+  fake-quant (``benchmarks/fastqat.py``), the same with observers and BatchNorm frozen, and the
+  qlightning PT2E engine;
+* float eager latency / int8 latency at batch 1 and 32: FX eager int8 (torch.ao ``convert_fx``),
+  onnxruntime on the QDQ ONNX export, inductor on the q/dq graph, torchao PT2E + inductor, and what
+  ``qlightning.lowering.choose_lowering`` (``lowering=auto``) keeps;
+* peak RSS growth of one train step and bytes saved for backward, QAT / float (fresh processes);
+* FX prepare + convert time for 10 / 50 / 200 conv-bn-relu blocks and the first prepare in a fresh process.
+
+Writes ``benchmarks/results/latest.md`` and ``latest.json`` (``--out`` to change) and prints the table.
+Timings use the calling thread's CPU clock by default (``--clock cpu``; 1 thread): on a shared machine
+it leaves out time spent preempted. Re-run on an idle machine for publishable numbers.
+
+Examples::
+
+    python -m benchmarks --quick                 # smoke run, < ~3 min on 2 cores
+    python -m benchmarks --threads 1             # the full table (~15-25 min on 2 cores)
+    python -m benchmarks scaling --blocks 10,50,200,400
+    python -m benchmarks profile --model resnet18_like --variant torch.ao
+    python -m benchmarks equivalence             # fast path vs torch.ao after a few steps
+    python -m benchmarks accuracy                # digits int8 accuracy, torch.ao vs fast path, 3 seeds
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
-import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
-
-from qlightning import Inputs, Phase, QuantSpec, get_engine
-from qlightning.examples.digits import DigitsCNN, DigitsDataModule
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MODEL_NAMES = ("digits_cnn", "resnet18_like", "transformer")
 
 
-def interleaved_medians(fns: dict, repeats: int, warmup: int = 10) -> dict[str, float]:
-    """Median seconds per call of each function, calls interleaved so drift hits all alike."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for i in range(warmup + repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+def _log(msg: str) -> None:
+    print(f"[benchmarks {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def train_step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model.train()
+def machine(args: argparse.Namespace) -> dict[str, Any]:
+    import onnxruntime
+    import torchao
 
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-
-    return step
-
-
-def infer_fn(model: nn.Module, x: torch.Tensor):
-    model.eval()
-
-    def run() -> None:
-        with torch.inference_mode():
-            model(x)
-
-    return run
-
-
-def digits_cnn(repeats: int) -> dict:
-    warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
-    dm = DigitsDataModule(seed=0)
-    dm.setup()
-    x_all, y_all = dm.splits["train"].tensors
-    x, y = x_all[:64], y_all[:64]
-    engine = get_engine("fx")
-    float_model = DigitsCNN()
-    spec = QuantSpec(backend="x86")
-    qat_model = engine.prepare(copy.deepcopy(float_model), Inputs((x[:1],)), spec)
-    engine.set_phase(qat_model, Phase(fake_quant=True, observe=True, bn_frozen=False))
-    steps = interleaved_medians(
-        {"float": train_step_fn(float_model, x, y), "qat": train_step_fn(qat_model, x, y)}, repeats
-    )
-    int8_model = engine.convert(copy.deepcopy(qat_model), spec)
-    float_model.eval()
-    latency = {}
-    for batch in (1, 32):
-        xb = x_all[:batch]
-        latency[batch] = interleaved_medians({"float": infer_fn(float_model, xb), "int8": infer_fn(int8_model, xb)}, repeats)
+    flags = ""
+    try:
+        flags = next(l for l in open("/proc/cpuinfo") if l.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+    load = None
+    try:
+        load = open("/proc/loadavg").read().split()[:3]
+    except OSError:
+        pass
     return {
-        "qat_step_over_float_step": steps["qat"] / steps["float"],
-        "float_step_ms": steps["float"] * 1e3,
-        "qat_step_ms": steps["qat"] * 1e3,
-        "float_over_int8_latency_bs1": latency[1]["float"] / latency[1]["int8"],
-        "float_over_int8_latency_bs32": latency[32]["float"] / latency[32]["int8"],
-        "latency_ms": {str(b): {k: v * 1e3 for k, v in t.items()} for b, t in latency.items()},
+        "cpu": model,
+        "isa": [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile") if f" {f}" in flags],
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "torchao": torchao.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "threads": args.threads,
+        "clock": args.clock,
+        "quick": args.quick,
+        "load_average_at_start": load,
+        "python": platform.python_version(),
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=100)
-    args = parser.parse_args()
+# ---------------------------------------------------------------------------------------------- table
+
+
+def run_table(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks import suites
+    from benchmarks.models import model_spec
+
+    names = args.models.split(",") if args.models else list(MODEL_NAMES)
+    quick = args.quick
+    results: dict[str, Any] = {"machine": machine(args), "models": {}}
+    started = time.perf_counter()
+    for name in names:
+        spec = model_spec(name, quick)
+        entry: dict[str, Any] = {"title": spec.title, "train_batch": spec.train_batch,
+                                 "params_M": round(sum(p.numel() for p in spec.build().parameters()) / 1e6, 3)}
+        small = name == "digits_cnn"
+        step_repeats = args.repeats or (30 if small else 8) if quick else args.repeats or (100 if small else 20)
+        _log(f"{name}: QAT step ({step_repeats} repeats)")
+        entry["qat_step"] = suites.qat_step_ratios(spec, step_repeats, args.clock, pt2e=not quick or small)
+        lat_repeats = args.repeats or (30 if small else 10) if quick else args.repeats or (100 if small else 30)
+        if quick:
+            candidates = {1: ("fx", "onnxruntime"), 32: ("fx", "onnxruntime") + (("inductor",) if small else ())}
+            pt2e_batches: tuple[int, ...] = (32,) if small else ()
+        else:
+            candidates = {1: ("fx", "onnxruntime", "inductor"), 32: ("fx", "onnxruntime", "inductor")}
+            pt2e_batches = (32,)
+        _log(f"{name}: int8 latency ({lat_repeats} repeats; candidates {candidates})")
+        entry["latency"] = suites.latency(spec, (1, 32), lat_repeats, args.clock, candidates, pt2e_batches,
+                                          train_steps=10 if quick else 30)
+        if not args.skip_memory:
+            _log(f"{name}: memory (fresh process)")
+            entry["memory"] = suites.memory(name, quick)
+        results["models"][name] = entry
+    if not args.skip_scaling:
+        blocks = (10, 50) if quick else (10, 50, 200)
+        _log(f"prepare+convert scaling {blocks}")
+        results["scaling"] = suites.prepare_convert_scaling(blocks)
+        results["cold_prepare"] = suites.cold_prepare()
+    results["wall_s"] = round(time.perf_counter() - started, 1)
+    return results
+
+
+def _fmt(v: Any, suffix: str = "x") -> str:
+    return "n/a" if v is None else f"{v:.2f}{suffix}"
+
+
+def render(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    models = results["models"]
+    names = list(models)
+    head = "| figure | " + " | ".join(models[n]["title"] for n in names) + " |"
+    lines = [
+        f"# qlightning benchmarks ({'quick' if m['quick'] else 'full'})",
+        "",
+        f"{m['cpu']} ({', '.join(m['isa'])}; torch {m['torch']}, capability {m['torch_cpu_capability']}), torchao "
+        f"{m['torchao']}, onnxruntime {m['onnxruntime']}; {m['threads']} thread(s), {m['clock']} clock, medians "
+        f"of interleaved repeats; load average at start {m['load_average_at_start']}. Wall time {results.get('wall_s')} s.",
+        "",
+        head,
+        "|---|" + "---|" * len(names),
+    ]
+
+    def row(label: str, get: Any) -> None:
+        cells = []
+        for n in names:
+            try:
+                cells.append(get(models[n]))
+            except (KeyError, TypeError, ZeroDivisionError):
+                cells.append("n/a")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    step_rows = [
+        ("torch.ao FX", "QAT train step / float step: torch.ao FX (`prepare_qat_fx`, fused fake-quant)"),
+        ("qlightning FX", "... qlightning FX engine (as shipped)"),
+        ("qlightning FX fast", "... qlightning FX + fast fake-quant & conv-bn (proposed)"),
+        ("qlightning FX fast, observers+BN frozen", "... same, observers and BN frozen (late QAT phase)"),
+        ("qlightning PT2E", "... qlightning PT2E engine"),
+    ]
+    for key, label in step_rows:
+        row(label, lambda e, k=key: _fmt(e["qat_step"]["over_float"][k]))
+    row("float train step (ms, batch)", lambda e: f"{e['qat_step']['step_ms']['float']:.1f} (bs {e['qat_step']['batch']})")
+    lat_rows = [
+        ("1", "fx", "float eager / FX int8 (torch.ao `convert_fx`), batch 1"),
+        ("32", "fx", "float eager / FX int8, batch 32"),
+        ("32", "pt2e+inductor (torchao)", "float eager / PT2E int8 + inductor (torchao), batch 32"),
+        ("32", "inductor", "float eager / qlightning q/dq graph + inductor, batch 32"),
+        ("1", "onnxruntime", "float eager / onnxruntime int8 QDQ, batch 1"),
+        ("32", "onnxruntime", "float eager / onnxruntime int8 QDQ, batch 32"),
+        ("1", "inductor", "float eager / qlightning q/dq graph + inductor, batch 1"),
+    ]
+    for batch, key, label in lat_rows:
+        row(label, lambda e, b=batch, k=key: _fmt(e["latency"][b]["float_over"][k]))
+    for batch in ("1", "32"):
+        row(f"float eager / `lowering=auto` pick, batch {batch}",
+            lambda e, b=batch: f"{_fmt(e['latency'][b]['float_over']['lowering=auto'])} ({e['latency'][b]['lowering']['name']})")
+    row("float eager latency (ms), batch 1 / 32",
+        lambda e: f"{e['latency']['1']['latency_ms']['float']:.3f} / {e['latency']['32']['latency_ms']['float']:.2f}")
+    row("peak RSS growth in a train step, QAT / float: torch.ao FX",
+        lambda e: _fmt(e["memory"]["torch.ao FX"]["rss_over_float"]))
+    row("... qlightning FX fast (proposed)", lambda e: _fmt(e["memory"]["qlightning FX fast"]["rss_over_float"]))
+    row("saved-for-backward bytes, QAT / float: torch.ao FX", lambda e: _fmt(e["memory"]["torch.ao FX"]["saved_over_float"]))
+    row("... qlightning FX fast (proposed)", lambda e: _fmt(e["memory"]["qlightning FX fast"]["saved_over_float"]))
+    row("float step: RSS growth / saved bytes (MiB)",
+        lambda e: f"{e['memory']['float']['rss_growth_kb'] / 1024:.1f} / {e['memory']['float']['saved_for_backward_bytes'] / 2**20:.1f}")
+    lines.append("")
+    lines.append("Parity of the `lowering=auto` candidates over 32 samples (output SQNR dB vs the fake-quant model / "
+                 "top-1 agreement; float models warm-trained for a few steps on random data, then QAT-prepared and "
+                 "calibrated, not QAT-trained; a candidate passes at >= 25 dB and 99%, or when within 1 dB / 1 point "
+                 "of the FX int8 module) and what building it cost:")
+    lines.append("")
+    for n in names:
+        for b in ("1", "32"):
+            try:
+                low = models[n]["latency"][b]["lowering"]
+            except KeyError:
+                continue
+            parts = [f"{c}: {low['sqnr_db'].get(c, 'n/a')} dB / {low['top1_agreement'].get(c)}" + (" (rejected)" if c in low["errors"] else "")
+                     for c in low["latency_ms"]]
+            lines.append(f"- {models[n]['title']}, batch {b}: " + "; ".join(parts) + f"; build s {low['build_s']}")
+    if "scaling" in results:
+        lines += ["", "| FX prepare + convert (warm process; thread CPU s) | prepare | convert | total | total, wall |",
+                  "|---|---|---|---|---|"]
+        for key, v in results["scaling"].items():
+            lines.append(f"| {key.split(':')[1]} conv-bn-relu blocks ({key.split(':')[0]}) | {v['prepare_s']:.2f} | "
+                         f"{v['convert_s']:.2f} | {v['total_s']:.2f} | {v.get('wall_s', float('nan')):.2f} |")
+        cold = results.get("cold_prepare", {})
+        if "first_prepare_s" in cold:
+            lines.append("")
+            lines.append(f"First FX prepare of the digits CNN in a fresh process: {cold['first_prepare_s']:.2f} s "
+                         f"(second: {cold['second_prepare_s']:.2f} s; `import torch, qlightning`: {cold['import_s']:.2f} s).")
+    lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- other commands
+
+
+def run_scaling(args: argparse.Namespace) -> None:
+    from benchmarks import suites
+
+    blocks = tuple(int(b) for b in args.blocks.split(","))
+    engines = tuple(args.engines.split(","))
+    if args.profile:
+        import cProfile
+        import pstats
+
+        from benchmarks.models import ConvBnReluChain
+        from qlightning import Inputs, QuantSpec, get_engine
+
+        eng = get_engine(engines[0])
+        x = torch.randn(2, 1, 8, 8)
+        suites.prepare_convert_scaling((2,), engines[:1])
+        profiler = cProfile.Profile()
+        model = ConvBnReluChain(blocks[-1])
+        profiler.enable()
+        with suites.quiet():
+            prepared = eng.prepare(model, Inputs((x,)), QuantSpec(backend="x86"))
+            eng.convert(prepared, QuantSpec(backend="x86"))
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats(args.sort).print_stats(args.top)
+        return
+    print(json.dumps(suites.prepare_convert_scaling(blocks, engines), indent=2))
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    """torch.profiler table (and optionally cProfile) of a few train steps of one variant."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import suites
+    from benchmarks.models import model_spec
+
+    spec = model_spec(args.model, args.quick)
+    torch.manual_seed(0)
+    x, y = spec.inputs(spec.train_batch), spec.labels(spec.train_batch)
+    model = spec.build()
+    if args.variant == "torch.ao":
+        model = suites.set_phase(suites.torchao_fx_prepare(model, x[:1]), suites.QAT_ON)
+    elif args.variant == "fast":
+        model = suites.set_phase(suites.fast_prepare(model, x[:1]), suites.QAT_ON)
+    elif args.variant == "pt2e":
+        model = suites.set_phase(suites.qlightning_prepare(model, x[:1], "pt2e"), suites.QAT_ON, "pt2e")
+    step = suites.train_step(model, x, y)
+    for _ in range(3):
+        step()
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile(timer=time.thread_time)
+        profiler.enable()
+        for _ in range(args.steps):
+            step()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.top)
+        return
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+
+
+def run_equivalence(args: argparse.Namespace) -> None:
+    from benchmarks import suites
+    from benchmarks.models import model_spec
+
+    out = {name: suites.fast_path_equivalence(model_spec(name, True), steps=args.steps) for name in MODEL_NAMES}
+    print(json.dumps(out, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
+    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy"))
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--repeats", type=int, default=0, help="repeats per timing (default: per model and mode)")
+    parser.add_argument("--quick", action="store_true", help="smaller models and fewer candidates (< ~3 min on 2 cores)")
+    parser.add_argument("--clock", default="cpu", choices=("cpu", "wall"), help="thread CPU time (default) or wall time")
+    parser.add_argument("--models", default="", help=f"comma-separated subset of {','.join(MODEL_NAMES)}")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS / "latest"), help="results path without extension")
+    # scaling
+    parser.add_argument("--blocks", default="10,50,200")
+    parser.add_argument("--engines", default="fx")
+    parser.add_argument("--profile", action="store_true", help="scaling: cProfile the largest size instead")
+    parser.add_argument("--sort", default="cumulative")
+    # profile
+    parser.add_argument("--model", default="resnet18_like", choices=MODEL_NAMES)
+    parser.add_argument("--variant", default="torch.ao", choices=("float", "torch.ao", "fast", "pt2e"))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    results = {
-        "machine": {"processor": platform.processor() or platform.machine(), "torch": torch.__version__,
-                    "threads": args.threads, "repeats": args.repeats},
-        "digits_cnn": digits_cnn(args.repeats),
-    }
-    r = results["digits_cnn"]
-    table = "\n".join([
-        f"| figure (digits CNN, {args.threads} thread(s), median of {args.repeats}) | qlightning FX |",
-        "| --- | --- |",
-        f"| QAT train step / float step (batch 64) | {r['qat_step_over_float_step']:.2f}x |",
-        f"| float eager / int8 latency, batch 1 | {r['float_over_int8_latency_bs1']:.2f}x |",
-        f"| float eager / int8 latency, batch 32 | {r['float_over_int8_latency_bs32']:.2f}x |",
-    ])
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(results, indent=2))
-    (RESULTS / "latest.md").write_text(table + "\n")
+    if args.command == "scaling":
+        return run_scaling(args)
+    if args.command == "profile":
+        return run_profile(args)
+    if args.command == "equivalence":
+        return run_equivalence(args)
+    if args.command == "accuracy":
+        from benchmarks import suites
+
+        print(json.dumps(suites.digits_accuracy(), indent=2))
+        return None
+    results = run_table(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table = render(results)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=str))
+    out.with_suffix(".md").write_text(table)
     print(table)
+    _log(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
 
 
 if __name__ == "__main__":

@@ -251,7 +251,7 @@ class QuantizationAwareTraining(Callback):
             original_on_load = pl_module.on_load_checkpoint
 
             def on_load_checkpoint_then_prepare(checkpoint: dict[str, Any]) -> None:
-                del pl_module.on_load_checkpoint
+                pl_module.__dict__.pop("on_load_checkpoint", None)
                 original_on_load(checkpoint)
                 if any(str(k).startswith(type(self).__name__) for k in checkpoint.get("callbacks", {})):
                     self.prepare(pl_module, trainer)
@@ -264,7 +264,7 @@ class QuantizationAwareTraining(Callback):
         original = pl_module.configure_model
 
         def configure_model_then_prepare() -> None:
-            del pl_module.configure_model  # back to the class's method before anything can fail
+            pl_module.__dict__.pop("configure_model", None)  # back to the class's (or another wrapper's) method
             original()
             pruned = self._name_pruned_parameters(trainer, pl_module)
             self.prepare(pl_module, trainer)

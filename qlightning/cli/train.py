@@ -29,10 +29,13 @@ def _trusted_from_overrides(overrides: Sequence[str]) -> list[str]:
 def prepare_overrides(overrides: Sequence[str]) -> tuple[list[str], Optional[recipes_registry.Recipe]]:
     """Resolve ``recipe=NAME|PATH``: check the recipe as data and register it for Hydra."""
     out, recipe = [], None
+    chosen = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     for item in overrides:
         if item.startswith("recipe="):
             recipe = recipes_registry.find(item.split("=", 1)[1])
-            store.register(recipe, _trusted_from_overrides(overrides))
+            trusted = _trusted_from_overrides(overrides)
+            store.register(recipe, trusted)
+            out += [f"~{g}" for g in store.replaced_groups(recipe, trusted) if g not in chosen]
             item = f"recipe={recipe.name}"
         out.append(item)
     if recipe is None:
@@ -60,7 +63,7 @@ def _precheck(overrides: Sequence[str], recipe: Optional[recipes_registry.Recipe
     """Compose once like Hydra will, to report every schema error at once (single runs only)."""
     from qlightning.config.compose import compose_config
 
-    plain = [o for o in overrides if not o.startswith(("-", "recipe=", "hydra.")) and "=" in o]
+    plain = [o for o in overrides if not o.startswith(("-", "recipe=", "hydra.", "~")) and "=" in o]
     compose_config(plain, recipe=str(recipe.path) if recipe is not None else None)
 
 

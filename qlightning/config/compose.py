@@ -25,7 +25,10 @@ def compose_config(overrides: Sequence[str] = (), recipe: Optional[str] = None) 
     trusted = [o.split("=", 1)[1].strip("[]") for o in overrides if o.startswith("trusted_modules=")]
     if recipe is not None:
         found = recipes_registry.find(recipe)
-        store.register(found, [t.strip() for item in trusted for t in item.split(",") if t.strip()])
+        trusted_list = [t.strip() for item in trusted for t in item.split(",") if t.strip()]
+        store.register(found, trusted_list)
+        chosen = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+        overrides += [f"~{g}" for g in store.replaced_groups(found, trusted_list) if g not in chosen]
         overrides.append(f"recipe={found.name}")
     else:
         store.register()

@@ -5,11 +5,23 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
 
 from qlightning import recipes_registry
 from qlightning.config.schema import TrainConfig
 
 SCHEMA_NAME = "qlightning_schema"
+
+
+def replaced_groups(recipe: Optional[recipes_registry.Recipe], user_trusted: Iterable[str] = ()) -> list[str]:
+    """Groups (``model``, ``data``) whose class a recipe names: their default must be dropped, not merged into.
+
+    Otherwise the default digits CNN's arguments (``channels``, ...) would reach another model class.
+    """
+    if recipe is None:
+        return []
+    node = recipes_registry.load(recipe, user_trusted)
+    return [group for group in ("model", "data") if isinstance(node.get(group), DictConfig) and "_target_" in node[group]]
 
 
 def register(extra_recipe: Optional[recipes_registry.Recipe] = None, user_trusted: Iterable[str] = ()) -> None:

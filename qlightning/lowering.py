@@ -1,0 +1,434 @@
+"""``lowering=auto``: run the int8 model on whichever runtime is fastest here, if it is faithful.
+
+Which int8 runtime is fastest depends on the model, the batch size and the CPU (measured on one
+2-core AVX-512 box, float eager over int8, batch 1: FX eager 1.0-3.9x, onnxruntime QDQ 1.8-5.2x;
+batch 32: FX eager 1.5-2.6x, inductor 2.2-3.2x; see ``notes/perf.md``). :func:`choose_lowering`
+builds each candidate from the converted model, checks it against the fake-quant model on the
+example input (output SQNR and top-1 agreement) and keeps the fastest that passes:
+
+``fx``
+    the engine's own converted module, run eagerly (FX: torch.ao ``convert_fx`` lowered to the
+    fbgemm / x86 / onednn kernels; PT2E: torchao's q/dq reference graph).
+``onnxruntime``
+    the q/dq graph (:func:`qlightning.export.qdq_module` semantics: activations over the full range
+    of their dtype, weights as int8 constants) exported to QDQ ONNX and run by onnxruntime's CPU
+    provider, which fuses QDQ pairs into QLinearConv / MatMulInteger kernels.
+``inductor``
+    the same q/dq graph compiled by ``torch.compile`` (inductor) with ``freezing`` on: inductor's
+    x86 quantization passes turn q/dq + conv / linear into oneDNN int8 kernels (the PT2E + inductor
+    path torchao documents). Compiled for the example input's shapes; another shape recompiles.
+
+Other runtimes plug in through ``builders={"name": callable(context) -> module}``.
+
+The chosen module is an ``nn.Module`` that can replace the converted one in the LightningModule;
+:func:`source_of` returns the engine's converted module behind a wrapper (for TorchScript exports,
+which only the ``fx`` candidate supports).
+
+Example::
+
+    choice = choose_lowering(fake_quant_net, int8_net, (x,), candidates=("fx", "onnxruntime", "inductor"))
+    model.net = choice.module
+    print(choice.name, choice.latency_ms, choice.sqnr_db)
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from qlightning.engines.base import Inputs
+
+CANDIDATES = ("fx", "onnxruntime", "inductor")
+DEFAULT_MIN_SQNR_DB = 25.0
+DEFAULT_MIN_TOP1 = 0.99
+
+
+class LoweringError(RuntimeError):
+    """A candidate runtime could not be built or run."""
+
+
+# ---------------------------------------------------------------------------------------------- runtimes
+
+
+def source_of(module: nn.Module) -> nn.Module:
+    """The engine's converted module behind a lowered wrapper (the module itself otherwise)."""
+    return module.__dict__.get("_qlightning_source", module)
+
+
+def _attach_source(wrapper: nn.Module, source: nn.Module) -> nn.Module:
+    # not registered as a child: the wrapper's state_dict holds only what it runs
+    wrapper.__dict__["_qlightning_source"] = source
+    return wrapper
+
+
+class OnnxRuntimeModule(nn.Module):
+    """An onnxruntime CPU session as an ``nn.Module``: tensors in, tensors out.
+
+    The serialized model is a ``uint8`` buffer (so ``state_dict``, ``deepcopy`` and pickling carry
+    it); the session is created on first use with ``threads`` intra-op threads (default: torch's).
+    """
+
+    def __init__(self, model_bytes: bytes, input_names: Sequence[str], threads: Optional[int] = None) -> None:
+        super().__init__()
+        self.register_buffer("onnx_model", torch.frombuffer(bytearray(model_bytes), dtype=torch.uint8).clone())
+        self.input_names = list(input_names)
+        self.threads = threads
+        self._session: Any = None
+
+    def _get_session(self) -> Any:
+        if self._session is None:
+            import onnxruntime as ort
+
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = int(self.threads or torch.get_num_threads())
+            options.inter_op_num_threads = 1
+            options.log_severity_level = 3
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            self._session = ort.InferenceSession(self.onnx_model.numpy().tobytes(), options, providers=["CPUExecutionProvider"])
+        return self._session
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        session = self._get_session()
+        feed = {n: a.detach().cpu().contiguous().numpy() for n, a in zip(self.input_names, args)}
+        outs = [torch.from_numpy(o) for o in session.run(None, feed)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_session"] = None
+        state.pop("_qlightning_source", None)  # the engine's module stays with the process that made it
+        return state
+
+
+class InductorModule(nn.Module):
+    """A q/dq graph compiled by inductor with ``freezing`` (int8 conv / linear via oneDNN)."""
+
+    def __init__(self, graph: nn.Module, dynamic: bool = False) -> None:
+        super().__init__()
+        self.graph = graph  # an exported program's module: eval() raises, and it was exported in eval mode
+        self.dynamic = dynamic
+        self._compiled: Any = None
+
+    def forward(self, *args: Any) -> Any:
+        import torch._inductor.config as inductor_config
+
+        if self._compiled is None:
+            self._compiled = torch.compile(self.graph, dynamic=self.dynamic)
+        with inductor_config.patch(freezing=True), torch.no_grad():
+            return self._compiled(*args)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_compiled"] = None
+        state.pop("_qlightning_source", None)
+        return state
+
+
+# ---------------------------------------------------------------------------------------------- building
+
+
+@dataclass
+class LoweringContext:
+    """What a candidate builder gets: the two models, the inputs, and the q/dq graph (built once, lazily)."""
+
+    fake_quant: nn.Module
+    int8: nn.Module
+    inputs: Inputs
+    threads: Optional[int] = None
+    qdq_module: Optional[nn.Module] = None
+    _qdq_program: Any = None
+
+    def qdq_program(self) -> Any:
+        """:class:`qlightning.export.QdqProgram` of the q/dq graph (weights folded to int8 constants)."""
+        if self._qdq_program is None:
+            from qlightning.export import qdq_program
+
+            if self.qdq_module is None:
+                self.qdq_module = reference_qdq_module(self.fake_quant, self.int8)
+            self._qdq_program = qdq_program(self.qdq_module, self.inputs, dynamic_batch=True)
+        return self._qdq_program
+
+
+def _is_fx_lowered(int8: nn.Module) -> bool:
+    """Whether ``int8`` is an FX-converted module (quantized kernels) rather than a q/dq reference graph."""
+    for node in getattr(getattr(int8, "graph", None), "nodes", ()):
+        if node.op == "call_function" and node.target in (torch.quantize_per_tensor, torch.quantize_per_channel):
+            return True
+    return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in int8.modules())
+
+
+def reference_qdq_module(fake_quant: nn.Module, int8: nn.Module) -> nn.Module:
+    """A float q/dq graph that computes what ``int8`` computes.
+
+    FX: the decomposed reference model of (a copy of) the fake-quant module, activations over the full
+    range of their dtype (what the int8 kernels do; see :func:`qlightning.export.full_range_activations`).
+    PT2E: the converted module already is one.
+    """
+    if not _is_fx_lowered(int8):
+        return copy.deepcopy(int8).eval()
+    from torch.ao.quantization.quantize_fx import _convert_to_reference_decomposed_fx
+
+    from qlightning.engines.fx import quiet_torch_ao
+    from qlightning.export import full_range_activations
+
+    module = copy.deepcopy(fake_quant).eval()
+    with quiet_torch_ao():
+        from torch.ao.quantization import FakeQuantizeBase
+
+        for m in module.modules():
+            if isinstance(m, FakeQuantizeBase):
+                m.disable_observer()
+        reference = _convert_to_reference_decomposed_fx(module)
+    full_range_activations(reference)
+    return reference.eval()
+
+
+def _build_fx(ctx: LoweringContext) -> nn.Module:
+    return ctx.int8
+
+
+def _build_onnxruntime(ctx: LoweringContext) -> nn.Module:
+    from qlightning.export import write_onnx
+
+    program = ctx.qdq_program()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.onnx"
+        write_onnx(program, path)
+        data = path.read_bytes()
+    return _attach_source(OnnxRuntimeModule(data, program.input_names, ctx.threads), ctx.int8)
+
+
+def _build_inductor(ctx: LoweringContext) -> nn.Module:
+    from qlightning.export import quiet_export
+
+    if _is_fx_lowered(ctx.int8):
+        with quiet_export():
+            graph = ctx.qdq_program().program.module()
+    else:
+        graph = copy.deepcopy(ctx.int8)
+    module = _attach_source(InductorModule(graph), ctx.int8)
+    module(*ctx.inputs.args)  # compile now, for the example shapes
+    return module
+
+
+BUILDERS: dict[str, Callable[[LoweringContext], nn.Module]] = {
+    "fx": _build_fx,
+    "onnxruntime": _build_onnxruntime,
+    "inductor": _build_inductor,
+}
+
+
+# ---------------------------------------------------------------------------------------------- choosing
+
+
+@dataclass
+class LoweringChoice:
+    """The chosen runtime and every candidate's measurements.
+
+    Attributes:
+        name: the chosen candidate.
+        module: the module to put in place of the converted one.
+        latency_ms: median latency per candidate on the example input (``None``: not measured).
+        sqnr_db: output SQNR of each candidate against the fake-quant model, in dB.
+        top1_agreement: share of rows whose argmax agrees with the fake-quant model (``None``: no class dim).
+        errors: why a candidate was not eligible (build failure, parity breach).
+        build_s: seconds spent building (exporting, compiling) each candidate.
+    """
+
+    name: str
+    module: nn.Module
+    latency_ms: dict[str, Optional[float]] = field(default_factory=dict)
+    sqnr_db: dict[str, Optional[float]] = field(default_factory=dict)
+    top1_agreement: dict[str, Optional[float]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    build_s: dict[str, float] = field(default_factory=dict)
+    min_sqnr_db: float = DEFAULT_MIN_SQNR_DB
+    min_top1: float = DEFAULT_MIN_TOP1
+    batch_size: Optional[int] = None
+    threads: int = 1
+    repeats: int = 0
+
+    @property
+    def passed(self) -> list[str]:
+        return [n for n in self.latency_ms if n not in self.errors]
+
+    def speedup_over(self, other: str) -> Optional[float]:
+        a, b = self.latency_ms.get(self.name), self.latency_ms.get(other)
+        return None if not a or not b else b / a
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: copy.deepcopy(v) for k, v in self.__dict__.items() if k != "module"}
+        data["passed"] = self.passed
+        return data
+
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    from qlightning.parity import first_tensor
+
+    return first_tensor(value)
+
+
+def _median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, float]:
+    """Median wall time per call (ms), calls interleaved so that drift hits every candidate alike."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(warmup + repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items() if v}
+
+
+def choose_lowering(
+    fake_quant_module: nn.Module,
+    int8_module: nn.Module,
+    example_inputs: Any,
+    candidates: Sequence[str] = CANDIDATES,
+    *,
+    min_sqnr_db: float = DEFAULT_MIN_SQNR_DB,
+    min_top1: float = DEFAULT_MIN_TOP1,
+    repeats: int = 20,
+    warmup: int = 3,
+    threads: Optional[int] = None,
+    fallback: str = "fx",
+    tolerance_db: Optional[float] = 1.0,
+    builders: Optional[Mapping[str, Callable[[LoweringContext], nn.Module]]] = None,
+    qdq_module: Optional[nn.Module] = None,
+    parity_inputs: Optional[Sequence[Any]] = None,
+    timer: Optional[Callable[[Mapping[str, Callable[[], Any]]], Mapping[str, float]]] = None,
+) -> LoweringChoice:
+    """Build, check and time every candidate; keep the fastest one that is faithful to the fake-quant model.
+
+    Args:
+        fake_quant_module: the trained fake-quant module (the parity reference; run on a copy, so its
+            observers never move).
+        int8_module: the engine's converted module (candidate ``fx``).
+        example_inputs: a tensor, a tuple of positional inputs or an :class:`Inputs`; the latency and the
+            parity are measured on it, so use a representative batch.
+        candidates: names from :data:`BUILDERS` (``fx``, ``onnxruntime``, ``inductor``) or ``builders``.
+        min_sqnr_db / min_top1: parity thresholds against the fake-quant output; a candidate below
+            either is not eligible, unless it is as faithful as ``fallback`` (see ``tolerance_db``).
+        tolerance_db: a candidate that misses the thresholds still passes when its SQNR is within this
+            many dB of the ``fallback`` candidate's and its top-1 agreement within 1 point of it: it is
+            then as faithful as the module the engine gives anyway (whose own gap to the fake-quant model
+            is the parity gate's business, :mod:`qlightning.parity`). ``None``: thresholds only.
+        repeats / warmup: timing; medians of interleaved calls.
+        threads: torch (and onnxruntime) intra-op threads while building and timing (``None``: unchanged).
+        fallback: the candidate kept when none is eligible (normally ``fx``, what the engine gave).
+        builders: extra or replacement candidate builders, ``name -> callable(LoweringContext) -> module``.
+        qdq_module: a ready q/dq reference module (else built from the two models).
+        parity_inputs: batches (each a tensor or a tuple of positional inputs) on which the parity is
+            measured, all outputs concatenated; default: the example input alone. Use several batches
+            of the example's shape (a compiled candidate would recompile for another shape), e.g. 32
+            single-sample batches when timing batch 1, so that top-1 agreement is over 32 rows.
+        timer: replaces the wall-clock timer (``{name: fn} -> {name: ms}``); for tests.
+
+    Returns:
+        A :class:`LoweringChoice` (``name``, ``module`` and per-candidate ``latency_ms``, ``sqnr_db``,
+        ``top1_agreement``, ``errors``, ``build_s``).
+    """
+    from qlightning.parity import sqnr_db, top1_agreement
+
+    inputs = example_inputs if isinstance(example_inputs, Inputs) else Inputs(
+        (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    )
+    if inputs.kwargs:
+        raise LoweringError("choose_lowering: keyword inputs are not supported; pass positional inputs")
+    table = {**BUILDERS, **dict(builders or {})}
+    unknown = [c for c in candidates if c not in table]
+    if unknown:
+        raise ValueError(f"choose_lowering: unknown candidate(s) {unknown}; valid: {sorted(table)}")
+    if fallback not in candidates:
+        candidates = [fallback, *candidates]
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        batches = [inputs.args] if not parity_inputs else [
+            (b,) if isinstance(b, torch.Tensor) else tuple(b.args if isinstance(b, Inputs) else b) for b in parity_inputs
+        ]
+
+        def outputs(module: nn.Module) -> torch.Tensor:
+            with torch.no_grad():
+                outs = [_first_tensor(module(*args)).float() for args in batches]
+            return outs[0] if len(outs) == 1 else torch.cat([o.reshape(1) if o.dim() == 0 else o for o in outs])
+
+        reference_module = copy.deepcopy(fake_quant_module).eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference = outputs(reference_module)
+        ctx = LoweringContext(fake_quant_module, int8_module, inputs, threads=threads, qdq_module=qdq_module)
+        built: dict[str, nn.Module] = {}
+        choice = LoweringChoice(name=fallback, module=int8_module, min_sqnr_db=min_sqnr_db, min_top1=min_top1,
+                                batch_size=_batch_size(inputs), threads=torch.get_num_threads(), repeats=repeats)
+        for name in dict.fromkeys(candidates):
+            start = time.perf_counter()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    module = table[name](ctx)
+                    output = outputs(module)
+            except Exception as exc:  # a runtime that cannot take this model is simply not a candidate
+                choice.errors[name] = f"build/run failed: {type(exc).__name__}: {str(exc)[:500]}"
+                choice.build_s[name] = round(time.perf_counter() - start, 3)
+                continue
+            choice.build_s[name] = round(time.perf_counter() - start, 3)
+            choice.sqnr_db[name] = round(sqnr_db(reference, output), 2)
+            top1 = top1_agreement(reference, output)
+            choice.top1_agreement[name] = None if top1 is None else round(top1, 4)
+            built[name] = module
+        for name in built:
+            problems = _parity_problems(choice, name, fallback, tolerance_db)
+            if problems:
+                choice.errors[name] = "parity: " + "; ".join(problems)
+
+        def runner(m: nn.Module) -> Callable[[], Any]:
+            def run() -> None:
+                with torch.inference_mode():
+                    m(*inputs.args)
+
+            return run
+
+        fns = {name: runner(m) for name, m in built.items()}
+        latency = timer(fns) if timer is not None else _median_ms(fns, repeats, warmup)
+        choice.latency_ms = {name: (round(latency[name], 4) if name in latency else None) for name in candidates}
+        eligible = [n for n in built if n not in choice.errors and latency.get(n) is not None]
+        if eligible:
+            choice.name = min(eligible, key=lambda n: latency[n])
+        elif fallback in built:
+            choice.name = fallback
+        choice.module = built.get(choice.name, int8_module)
+        return choice
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _parity_problems(choice: LoweringChoice, name: str, fallback: str, tolerance_db: Optional[float]) -> list[str]:
+    sqnr, top1 = choice.sqnr_db[name], choice.top1_agreement[name]
+    problems = []
+    if sqnr < choice.min_sqnr_db:
+        problems.append(f"SQNR {sqnr:.1f} dB < {choice.min_sqnr_db} dB")
+    if top1 is not None and top1 < choice.min_top1:
+        problems.append(f"top-1 agreement {top1:.3f} < {choice.min_top1}")
+    if problems and tolerance_db is not None and fallback in choice.sqnr_db:
+        base_sqnr, base_top1 = choice.sqnr_db[fallback], choice.top1_agreement[fallback]
+        if sqnr >= base_sqnr - tolerance_db and (top1 is None or base_top1 is None or top1 >= base_top1 - 0.01):
+            return []  # as faithful as what the engine gives anyway
+    return problems
+
+
+def _batch_size(inputs: Inputs) -> Optional[int]:
+    for a in inputs.args:
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            return int(a.shape[0])
+    return None

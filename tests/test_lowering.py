@@ -1,0 +1,279 @@
+"""lowering=auto: the choice logic (with fake candidates and a fake timer) and real parity on digits.
+
+No timing assertions: which runtime is fastest depends on the machine. The tests check that the
+fastest *eligible* candidate is kept, that parity breaches and build failures disqualify, that the
+fallback is kept when nothing else qualifies, and that the real runtimes reproduce the fake-quant model.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from qlightning import Inputs, Phase, QuantSpec, get_engine
+from qlightning.examples.digits import DigitsCNN, DigitsDataModule
+from qlightning.lowering import (
+    BUILDERS,
+    InductorModule,
+    LoweringChoice,
+    OnnxRuntimeModule,
+    choose_lowering,
+    reference_qdq_module,
+    source_of,
+)
+from qlightning.parity import sqnr_db, top1_agreement
+
+
+# ---------------------------------------------------------------------------------------------- fakes
+
+
+class Scaled(nn.Module):
+    """``x @ w * gain + noise``: a stand-in runtime whose output differs from the reference by a known amount."""
+
+    def __init__(self, w: torch.Tensor, noise: float = 0.0, seed: int = 0) -> None:
+        super().__init__()
+        self.w, self.noise, self.seed = w, noise, seed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.w
+        if self.noise:
+            g = torch.Generator().manual_seed(self.seed)
+            out = out + self.noise * out.std() * torch.randn(out.shape, generator=g)
+        return out
+
+
+@pytest.fixture()
+def toy():
+    torch.manual_seed(0)
+    w = torch.randn(16, 10)
+    x = torch.randn(64, 16)
+    return Scaled(w), Scaled(w, noise=0.0005, seed=1), x, w
+
+
+def fixed_timer(ms: dict[str, float]):
+    def timer(fns):
+        for fn in fns.values():
+            fn()  # every candidate still runs
+        return {name: ms[name] for name in fns}
+
+    return timer
+
+
+def builders(w: torch.Tensor, **noise: float):
+    return {name: (lambda ctx, n=level, s=i: Scaled(w, noise=n, seed=s + 2)) for i, (name, level) in enumerate(noise.items())}
+
+
+# ---------------------------------------------------------------------------------------------- choice logic
+
+
+def test_fastest_eligible_candidate_wins(toy):
+    reference, int8, x, w = toy
+    choice = choose_lowering(
+        reference, int8, x, candidates=("fx", "fast", "faster"),
+        builders=builders(w, fast=0.001, faster=0.002), timer=fixed_timer({"fx": 3.0, "fast": 2.0, "faster": 1.0}),
+    )
+    assert choice.name == "faster"
+    assert choice.latency_ms == {"fx": 3.0, "fast": 2.0, "faster": 1.0}
+    assert set(choice.sqnr_db) == {"fx", "fast", "faster"} and all(v > 30 for v in choice.sqnr_db.values())
+    assert choice.errors == {}
+    assert choice.speedup_over("fx") == pytest.approx(3.0)
+    with torch.no_grad():
+        assert torch.allclose(choice.module(x), Scaled(w, 0.002, 3)(x))
+
+
+def test_parity_breach_disqualifies_the_fastest(toy):
+    reference, int8, x, w = toy
+    choice = choose_lowering(
+        reference, int8, x, candidates=("fx", "sloppy", "ok"), tolerance_db=None,
+        builders=builders(w, sloppy=0.5, ok=0.001), timer=fixed_timer({"fx": 3.0, "sloppy": 0.5, "ok": 2.0}),
+    )
+    assert choice.name == "ok"
+    assert "sloppy" in choice.errors and "SQNR" in choice.errors["sloppy"]
+    assert choice.sqnr_db["sloppy"] < 25 <= choice.sqnr_db["ok"]
+    assert choice.passed == ["fx", "ok"]
+
+
+def test_top1_threshold(toy):
+    reference, int8, x, w = toy
+    choice = choose_lowering(
+        reference, int8, x, candidates=("fx", "noisy"), min_sqnr_db=0.0, min_top1=0.999, tolerance_db=None,
+        builders=builders(w, noisy=0.3), timer=fixed_timer({"fx": 2.0, "noisy": 1.0}),
+    )
+    assert choice.top1_agreement["noisy"] < 0.999
+    assert "top-1" in choice.errors["noisy"]
+    assert choice.name == "fx"
+
+
+def test_build_failure_is_recorded_not_raised(toy):
+    reference, int8, x, w = toy
+
+    def broken(ctx):
+        raise RuntimeError("no such runtime here")
+
+    choice = choose_lowering(reference, int8, x, candidates=("fx", "broken"), builders={"broken": broken},
+                             timer=fixed_timer({"fx": 1.0}))
+    assert choice.name == "fx"
+    assert "no such runtime here" in choice.errors["broken"]
+    assert choice.latency_ms["broken"] is None
+
+
+def test_fallback_kept_when_nothing_passes(toy):
+    reference, _, x, w = toy
+    int8 = Scaled(w, noise=0.5, seed=9)  # the engine's own module is far off too
+    choice = choose_lowering(
+        reference, int8, x, candidates=("fx", "other"), tolerance_db=None,
+        builders=builders(w, other=0.6), timer=fixed_timer({"fx": 2.0, "other": 1.0}),
+    )
+    assert choice.name == "fx" and choice.module is int8
+    assert set(choice.errors) == {"fx", "other"}
+
+
+def test_relative_tolerance_accepts_candidates_as_faithful_as_the_fallback(toy):
+    reference, _, x, w = toy
+    int8 = Scaled(w, noise=0.2, seed=9)  # ~14 dB: below the absolute threshold
+    choice = choose_lowering(
+        reference, int8, x, candidates=("fx", "same", "worse"),
+        builders={"same": lambda ctx: Scaled(w, noise=0.2, seed=9), **builders(w, worse=0.6)},
+        timer=fixed_timer({"fx": 3.0, "same": 1.0, "worse": 0.5}),
+    )
+    assert abs(choice.sqnr_db["same"] - choice.sqnr_db["fx"]) < 1.0
+    assert "worse" in choice.errors and "same" not in choice.errors and "fx" not in choice.errors
+    assert choice.name == "same"
+
+
+def test_fallback_is_always_a_candidate_and_unknown_names_fail(toy):
+    reference, int8, x, w = toy
+    choice = choose_lowering(reference, int8, x, candidates=("only",), builders=builders(w, only=0.001),
+                             timer=fixed_timer({"fx": 2.0, "only": 1.0}))
+    assert set(choice.latency_ms) == {"fx", "only"} and choice.name == "only"
+    with pytest.raises(ValueError, match="unknown candidate"):
+        choose_lowering(reference, int8, x, candidates=("fx", "tpu"))
+
+
+def test_reference_never_observes(toy):
+    """The fake-quant model is run on a copy: its observers (and any state) never move."""
+    _, int8, x, w = toy
+    net = DigitsCNN()
+    engine = get_engine("fx")
+    prepared = engine.prepare(net, Inputs((torch.zeros(1, 1, 8, 8),)), QuantSpec(backend="x86"))
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
+    before = {k: v.clone() for k, v in prepared.state_dict().items()}
+    images = torch.rand(8, 1, 8, 8)
+    int8 = copy.deepcopy(prepared)
+    engine.set_observers(int8, False)
+    choose_lowering(prepared, int8, images, candidates=("fx",), timer=fixed_timer({"fx": 1.0}))
+    after = prepared.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_to_dict_is_plain_data(toy):
+    reference, int8, x, w = toy
+    choice = choose_lowering(reference, int8, x, candidates=("fx",), timer=fixed_timer({"fx": 1.0}))
+    data = choice.to_dict()
+    assert "module" not in data and data["name"] == "fx" and data["passed"] == ["fx"]
+    import json
+
+    json.dumps(data)
+
+
+# ---------------------------------------------------------------------------------------------- real runtimes
+
+
+@pytest.fixture(scope="module")
+def trained_digits():
+    """A digits CNN QAT-trained for a few epochs with the FX engine, converted; plus held-out images."""
+    torch.manual_seed(0)
+    dm = DigitsDataModule(seed=0)
+    dm.setup()
+    x, y = dm.splits["train"].tensors
+    engine, spec = get_engine("fx"), QuantSpec(backend="x86")
+    net = DigitsCNN()
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for epoch in range(4):  # float warm-up
+        for i in range(0, len(x), 64):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(net(x[i:i + 64]), y[i:i + 64]).backward()
+            optimizer.step()
+    prepared = engine.prepare(net, Inputs((x[:1],)), spec)
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
+    optimizer = torch.optim.Adam(prepared.parameters(), lr=2e-3)
+    for epoch in range(2):
+        for i in range(0, len(x), 64):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(prepared(x[i:i + 64]), y[i:i + 64]).backward()
+            optimizer.step()
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
+    fake_quant = copy.deepcopy(prepared).eval()
+    int8 = engine.convert(prepared, spec)
+    test_x, test_y = dm.splits["test"].tensors
+    return fake_quant, int8, test_x[:64], test_y[:64]
+
+
+def test_onnxruntime_candidate_is_faithful(trained_digits):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    fake_quant, int8, x, y = trained_digits
+    choice = choose_lowering(fake_quant, int8, x, candidates=("fx", "onnxruntime"), repeats=3, warmup=1)
+    assert "onnxruntime" not in choice.errors, choice.errors
+    assert "fx" not in choice.errors, choice.errors
+    for name in ("fx", "onnxruntime"):
+        assert choice.sqnr_db[name] >= 25.0
+        assert choice.top1_agreement[name] >= 0.99
+        assert choice.latency_ms[name] is not None and choice.latency_ms[name] > 0
+    assert choice.name in ("fx", "onnxruntime")
+    assert choice.name == min(choice.passed, key=lambda n: choice.latency_ms[n])
+    # the kept module is what was measured, and it classifies like the fake-quant model
+    with torch.no_grad():
+        out, ref = choice.module(x), fake_quant(x)
+    assert sqnr_db(ref, out) >= 25.0 and top1_agreement(ref, out) >= 0.99
+    assert source_of(choice.module) is int8
+
+
+def test_onnxruntime_module_survives_copy_and_pickle(trained_digits):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    fake_quant, int8, x, _ = trained_digits
+    choice = choose_lowering(fake_quant, int8, x, candidates=("onnxruntime",), repeats=1, warmup=0)
+    module = BUILDERS["onnxruntime"](_context(fake_quant, int8, x)) if choice.name != "onnxruntime" else choice.module
+    assert isinstance(module, OnnxRuntimeModule)
+    with torch.no_grad():
+        expected = module(x)
+        assert torch.equal(copy.deepcopy(module)(x), expected)
+        assert torch.equal(pickle.loads(pickle.dumps(module))(x), expected)
+    assert "onnx_model" in module.state_dict() and module.state_dict()["onnx_model"].dtype == torch.uint8
+
+
+def _context(fake_quant, int8, x):
+    from qlightning.lowering import LoweringContext
+
+    return LoweringContext(fake_quant, int8, Inputs((x,)))
+
+
+def test_reference_qdq_module_matches_int8(trained_digits):
+    fake_quant, int8, x, _ = trained_digits
+    reference = reference_qdq_module(fake_quant, int8)
+    with torch.no_grad():
+        assert sqnr_db(int8(x), reference(x)) >= 30.0
+
+
+def test_parity_inputs_extend_the_check(trained_digits):
+    fake_quant, int8, x, _ = trained_digits
+    choice = choose_lowering(fake_quant, int8, x[:1], candidates=("fx",), parity_inputs=[x[i:i + 1] for i in range(32)],
+                             timer=fixed_timer({"fx": 1.0}))
+    assert choice.top1_agreement["fx"] is not None and choice.top1_agreement["fx"] >= 0.95
+    assert choice.batch_size == 1
+
+
+@pytest.mark.slow
+def test_inductor_candidate_is_faithful(trained_digits):
+    fake_quant, int8, x, y = trained_digits
+    choice = choose_lowering(fake_quant, int8, x, candidates=("fx", "inductor"), repeats=3, warmup=1)
+    assert "inductor" not in choice.errors, choice.errors
+    assert choice.sqnr_db["inductor"] >= 25.0 and choice.top1_agreement["inductor"] >= 0.99
+    module = choice.module if choice.name == "inductor" else None
+    if module is not None:
+        assert isinstance(module, InductorModule)

