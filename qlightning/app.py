@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from qlightning import report as reporting
+from qlightning.report import evaluation_trainer
 from qlightning.checkpoint import AtomicCheckpointIO, ModelCheckpointWithFinalLast
 from qlightning.engines import Inputs
 from qlightning.config.build import instantiate_checked
@@ -89,15 +90,7 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
         if cfg.report.enabled:
 
             def eval_trainer() -> pl.Trainer:
-                return pl.Trainer(
-                    accelerator="cpu",
-                    devices=1,
-                    logger=False,
-                    enable_checkpointing=False,
-                    enable_progress_bar=False,
-                    enable_model_summary=False,
-                    limit_test_batches=cfg.trainer.limit_test_batches,
-                )
+                return evaluation_trainer(cfg.trainer.limit_test_batches)
 
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*does not have many workers.*")

@@ -48,20 +48,9 @@ def section(cfg: Any, key: str) -> Any:
 
 
 def _eval_trainer_factory() -> Callable[[int], Any]:
-    import lightning.pytorch as pl
+    from qlightning.report import evaluation_trainer
 
-    def factory(limit: int) -> Any:
-        return pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_test_batches=limit,
-        )
-
-    return factory
+    return evaluation_trainer
 
 
 # ---------------------------------------------------------------------------------------------- helpers

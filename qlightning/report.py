@@ -36,6 +36,19 @@ def state_dict_bytes(module: nn.Module, skip: Iterable[str] = ()) -> int:
     return buffer.getbuffer().nbytes
 
 
+def evaluation_trainer(limit_test_batches: Any = None) -> pl.Trainer:
+    """A bare CPU Trainer for the report's and the parity gate's ``trainer.test`` runs."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_test_batches=limit_test_batches,
+    )
+
+
 @contextmanager
 def quiet_lightning() -> Iterator[None]:
     """Silence Lightning's per-Trainer banners (GPU/TPU available, tips) for the report's evaluations."""

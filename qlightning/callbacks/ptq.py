@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from qlightning.callbacks.qat import _as_inputs, _set_submodule
+from qlightning.callbacks.qat import _as_inputs, _set_submodule, check_common_arguments
 from qlightning.capture import _RandomStates, capture_inputs, example_inputs_for, resolve_targets
 from qlightning.distributed import broadcast_buffers
 from qlightning.engines import BACKENDS, ENGINES, Inputs, QuantEngine, QuantSpec, get_engine
@@ -416,19 +416,8 @@ class PostTrainingQuantization(Callback):
         engine_options: Optional[Mapping[str, Any]] = None,
     ) -> None:
         errors: list[str] = []
-        names = [modules] if isinstance(modules, str) else list(modules)
-        if not names or not all(isinstance(n, str) and n for n in names):
-            errors.append(f"modules={modules!r}: give one or more submodule names, e.g. ['net']")
-        if backend not in BACKENDS:
-            errors.append(f"backend={backend!r}: unknown backend; valid choices: {list(BACKENDS)}")
-        elif backend not in torch.backends.quantized.supported_engines:
-            errors.append(
-                f"backend={backend!r}: not available in this torch build; available: "
-                f"{[b for b in BACKENDS if b in torch.backends.quantized.supported_engines]}"
-            )
+        names = check_common_arguments(modules, backend, engine, errors)
         engine_name = engine if isinstance(engine, str) else getattr(engine, "name", None)
-        if isinstance(engine, str) and engine not in ENGINES:
-            errors.append(f"engine={engine!r}: unknown engine; valid choices: {list(ENGINES)}")
         if mode not in MODES:
             errors.append(f"mode={mode!r}: unknown mode; valid choices: {list(MODES)}")
         elif mode != "static" and engine_name not in (None, "fx"):

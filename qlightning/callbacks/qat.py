@@ -23,6 +23,23 @@ STAGES = ("train", "validate", "test", "predict")
 STATE_VERSION = 1
 
 
+def check_common_arguments(modules: Any, backend: str, engine: Any, errors: list[str]) -> list[str]:
+    """The checks QAT and PTQ callbacks share: module names, backend, engine. Returns the names."""
+    names = [modules] if isinstance(modules, str) else list(modules)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        errors.append(f"modules={modules!r}: give one or more submodule names, e.g. ['net']")
+    if backend not in BACKENDS:
+        errors.append(f"backend={backend!r}: unknown backend; valid choices: {list(BACKENDS)}")
+    elif backend not in torch.backends.quantized.supported_engines:
+        errors.append(
+            f"backend={backend!r}: not available in this torch build; available: "
+            f"{[b for b in BACKENDS if b in torch.backends.quantized.supported_engines]}"
+        )
+    if isinstance(engine, str) and engine not in ENGINES:
+        errors.append(f"engine={engine!r}: unknown engine; valid choices: {list(ENGINES)}")
+    return names
+
+
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
@@ -141,18 +158,7 @@ class QuantizationAwareTraining(Callback):
         engine_options: Optional[Mapping[str, Any]] = None,
     ) -> None:
         errors: list[str] = []
-        names = [modules] if isinstance(modules, str) else list(modules)
-        if not names or not all(isinstance(n, str) and n for n in names):
-            errors.append(f"modules={modules!r}: give one or more submodule names, e.g. ['net']")
-        if backend not in BACKENDS:
-            errors.append(f"backend={backend!r}: unknown backend; valid choices: {list(BACKENDS)}")
-        elif backend not in torch.backends.quantized.supported_engines:
-            errors.append(
-                f"backend={backend!r}: not available in this torch build; available: "
-                f"{[b for b in BACKENDS if b in torch.backends.quantized.supported_engines]}"
-            )
-        if isinstance(engine, str) and engine not in ENGINES:
-            errors.append(f"engine={engine!r}: unknown engine; valid choices: {list(ENGINES)}")
+        names = check_common_arguments(modules, backend, engine, errors)
         bad_stages = [s for s in observe_stages if s not in STAGES]
         if bad_stages:
             errors.append(f"observe_stages={list(observe_stages)!r}: unknown stage(s) {bad_stages}; valid: {list(STAGES)}")
