@@ -201,9 +201,10 @@ class Report:
         custom = [f for f in self.findings if f.route == "2.b" or f.notes and any("2.b" in n for n in f.notes)]
         for name, (hint,), _count in _group([(f.name, (custom_module_hint(f),)) for f in custom], names):
             lines += [f"2.b  {name}: {hint}", ""]
-        for c in self.configured:
-            verdict = "traces" if c["traces"] else f"does NOT trace: {c.get('error')}"
-            lines.append(f"configured quant.modules target {c['name']!r}: {verdict}")
+        configured = [(c["name"], (c["traces"], c.get("error"))) for c in self.configured]
+        for name, (traces, error), count in _group(configured, [c["name"] for c in self.configured]):
+            verdict = "traces" if traces else f"does NOT trace: {error}"
+            lines.append(f"configured quant.modules target {name!r}: {verdict}" + (f" [x{count}]" if count > 1 else ""))
         if not self.checked_inputs:
             lines.append("(no example inputs: traced graphs were not run; set example_input_array to check them)")
         return "\n".join(lines).rstrip() + "\n"

@@ -50,7 +50,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from qlightning.cli.doctor import main as doctor_main
 
         return doctor_main(rest)
-    print(f"qlightning: unknown command {command!r}; valid commands: train, recipes, export, report\n\n{USAGE}", file=sys.stderr)
+    print(f"qlightning: unknown command {command!r}; valid commands: train, recipes, doctor, export, report\n\n{USAGE}", file=sys.stderr)
     return 2
 
 
