@@ -74,7 +74,7 @@ def test_int8_embeddings_stay_close_to_float_on_held_out_sentences(trained):
     assert metrics["test/min_cosine"] >= 0.98, metrics
 
 
-def test_int8_encoder_is_faster_than_float(trained):
+def test_int8_encoder_runs_on_held_out_sentences_and_reports_its_speed(trained):
     model, dm, qat, _ = trained
     from qlightning.examples.minilm import HELD_OUT, mean_pool
 
@@ -102,7 +102,7 @@ def test_int8_encoder_is_faster_than_float(trained):
     best = min(times["float"]) / min(times["int8"])  # the least disturbed repeat of each: robust to a busy box
     print(f"float / int8 latency, {len(HELD_OUT)} sentences, 2 threads: {ratio:.2f}x (median), {best:.2f}x (fastest)")
     # speed is reported, not asserted (timed assertions are flaky on shared CI cores): see notes/issue4.md
-    print(f"MiniLM float/int8 speed: median {ratio:.2f}x, fastest {best:.2f}x", times)
+    assert len(times["int8"]) == len(times["float"]) > 0 and all(t > 0 for t in times["int8"])
 
 
 def test_minilm_recipe_validates():
