@@ -19,6 +19,7 @@ from qlightning.checkpoint import AtomicCheckpointIO, ModelCheckpointWithFinalLa
 from qlightning.engines import Inputs
 from qlightning.config.build import instantiate_checked
 from qlightning.config.validate import validate_config
+from qlightning.lowering import source_of
 from qlightning.errors import ConfigError
 
 
@@ -85,7 +86,7 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
         result["int8_models"] = {}
         for name in callback.targets:
             path = run_dir / f"int8_{name}.pt"
-            problem = save_int8(model.get_submodule(name), path, callback.inputs[name])
+            problem = save_int8(source_of(model.get_submodule(name)), path, callback.inputs[name])
             result["int8_models"][name] = str(path) if problem is None else f"not saved: {problem}"
         if cfg.report.enabled:
 

@@ -23,6 +23,7 @@ from torch import nn
 from qlightning import export as exporting
 from qlightning import parity as parity_mod
 from qlightning.engines.base import Inputs
+from qlightning.lowering import source_of
 from qlightning.parity import ParityError
 
 __all__ = ["finalize_run", "export_and_check", "markdown_sections", "ParityError"]
@@ -232,13 +233,13 @@ def export_and_check(
             graph_versions = {
                 "fp32": versions["fp32"][name],
                 "fake_quant": versions.get("fake_quant", {}).get(name),
-                "int8": int8,
+                "int8": source_of(int8),  # per-layer values need the graph, not a runtime wrapper
                 "reference": references.get(name),
             }
             try:
                 layers.extend(parity_mod.per_layer_sqnr(name, graph_versions, layer_batches))
                 ranges["activations"] += parity_mod.activation_ranges(name, versions.get("fake_quant", {}).get(name), layer_batches)
-                ranges["weights"] += parity_mod.weight_ranges(name, int8)
+                ranges["weights"] += parity_mod.weight_ranges(name, source_of(int8))
             except Exception as exc:
                 warnings.warn(f"qlightning report: per-layer analysis of {name} failed: {exc}", stacklevel=2)
     timings["parity_s"] = time.perf_counter() - start

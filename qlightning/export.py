@@ -216,7 +216,9 @@ def qdq_module(callback: Any, pl_module: nn.Module, name: str) -> nn.Module:
     """
     engine = callback.engine
     if engine.name != "fx":
-        return copy.deepcopy(pl_module.get_submodule(name)).eval()
+        from qlightning.lowering import source_of
+
+        return copy.deepcopy(source_of(pl_module.get_submodule(name))).eval()
     fake_quant = getattr(callback, "fake_quant_modules", {}).get(name)
     if fake_quant is None:
         raise ExportError(
@@ -704,7 +706,9 @@ def export_module(
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    int8 = pl_module.get_submodule(name)
+    from qlightning.lowering import source_of
+
+    int8 = source_of(pl_module.get_submodule(name))  # TorchScript holds the engine's module, whatever runs now
     provenance = dict(getattr(callback, "provenance", {}) or {})
     artifacts: list[Artifact] = []
     reference: Optional[nn.Module] = None

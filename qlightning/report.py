@@ -184,6 +184,7 @@ def build_report(
         else "the final weights with quantization switched off",
         "modules": list(callback.targets),
         "engine": callback.engine.name,
+        "lowering": dict(getattr(callback, "lowering_choices", {}) or {}),
         "backend": callback.backend,
         "metrics": metrics,
         "size_bytes": size,

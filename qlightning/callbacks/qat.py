@@ -156,6 +156,10 @@ class QuantizationAwareTraining(Callback):
         equalization: Any = None,
         trusted_modules: Sequence[str] = (),
         engine_options: Optional[Mapping[str, Any]] = None,
+        lowering: str = "fx",
+        lowering_candidates: Optional[Sequence[str]] = None,
+        lowering_batch_size: int = 32,
+        lowering_min_sqnr_db: float = 25.0,
     ) -> None:
         errors: list[str] = []
         names = check_common_arguments(modules, backend, engine, errors)
@@ -172,6 +176,17 @@ class QuantizationAwareTraining(Callback):
             errors.append("example_inputs: expected a mapping {module_name: tensor | tuple | dict}")
         if not isinstance(ptq_baseline, (bool, int)) or (not isinstance(ptq_baseline, bool) and ptq_baseline < 1):
             errors.append(f"ptq_baseline={ptq_baseline!r}: True, False or a positive number of calibration batches")
+        from qlightning.lowering import CANDIDATES
+
+        if lowering not in ("fx", "auto", *CANDIDATES):
+            errors.append(f"lowering={lowering!r}: valid choices: {['fx', 'auto', *CANDIDATES]}")
+        bad_candidates = [c for c in (lowering_candidates or ()) if c not in CANDIDATES]
+        if bad_candidates:
+            errors.append(f"lowering_candidates: unknown {bad_candidates}; valid: {list(CANDIDATES)}")
+        if lowering != "fx" and not keep_fake_quant:
+            errors.append(f"lowering={lowering!r}: needs keep_fake_quant=True (the fake-quant model is the parity reference)")
+        if not isinstance(lowering_batch_size, int) or lowering_batch_size < 1:
+            errors.append(f"lowering_batch_size={lowering_batch_size!r}: a positive batch size")
 
         self.module_names = names
         self.backend = backend
@@ -219,6 +234,14 @@ class QuantizationAwareTraining(Callback):
         self.converted = False
         self.phase: Optional[Phase] = None
         self.fake_quant_modules: dict[str, nn.Module] = {}
+        self.lowering = lowering
+        self.lowering_candidates = tuple(lowering_candidates) if lowering_candidates else None
+        self.lowering_batch_size = lowering_batch_size
+        self.lowering_min_sqnr_db = lowering_min_sqnr_db
+        #: the engine's converted module of each target (what TorchScript exports), whatever runs in its place
+        self.int8_modules: dict[str, nn.Module] = {}
+        #: ``lowering != "fx"``: per target, the runtime kept and every candidate's latency and parity
+        self.lowering_choices: dict[str, dict[str, Any]] = {}
         self.inputs: dict[str, Inputs] = {}
         # Plain data saved in every checkpoint (the resolved recipe, its hash, library versions).
         self.provenance: dict[str, Any] = {}
@@ -535,9 +558,48 @@ class QuantizationAwareTraining(Callback):
             if self.keep_fake_quant:
                 self.fake_quant_modules[name] = copy.deepcopy(prepared).eval()
             _remove_pruning(prepared)  # masks folded into the weights, so convert reads current ones
-            _set_submodule(pl_module, name, self.engine.convert(prepared, self.spec))
+            int8 = self.engine.convert(prepared, self.spec)
+            self.int8_modules[name] = int8
+            _set_submodule(pl_module, name, int8)
+            if self.lowering != "fx" and name in self.fake_quant_modules:
+                _set_submodule(pl_module, name, self._lower(pl_module, name, int8))
         self.converted = True
         rank_zero_info(f"[qlightning] converted {self.targets} to int8 ({self.backend})")
+
+    def _lower(self, pl_module: "pl.LightningModule", name: str, int8: nn.Module) -> nn.Module:
+        """``lowering=auto|onnxruntime|inductor``: the fastest faithful runtime for ``name`` (else ``int8``)."""
+        import warnings
+
+        from qlightning.export import qdq_module
+        from qlightning.lowering import CANDIDATES, choose_lowering
+        from qlightning.report import _tile
+
+        if self.lowering_candidates:
+            candidates = self.lowering_candidates
+        else:
+            candidates = CANDIDATES if self.lowering == "auto" else ("fx", self.lowering)
+        example = self.inputs[name]
+        batch = Inputs(_tile(example.args, self.lowering_batch_size), _tile(example.kwargs, self.lowering_batch_size))
+        try:
+            reference = qdq_module(self, pl_module, name)
+        except Exception:
+            reference = None  # choose_lowering builds its own
+        try:
+            choice = choose_lowering(
+                self.fake_quant_modules[name], int8, batch, candidates=candidates,
+                min_sqnr_db=self.lowering_min_sqnr_db, qdq_module=reference,
+            )
+        except Exception as exc:  # the engine's module is always a valid answer
+            warnings.warn(f"qlightning lowering of {name!r} failed, keeping the {self.engine.name} int8 module: "
+                          f"{type(exc).__name__}: {exc}", stacklevel=2)
+            return int8
+        self.lowering_choices[name] = choice.to_dict()
+        rank_zero_info(
+            f"[qlightning] {name}: lowering={self.lowering} kept {choice.name!r} "
+            f"(median ms at batch {choice.batch_size}: {choice.latency_ms}; SQNR dB vs fake-quant: {choice.sqnr_db}"
+            + (f"; not eligible: {choice.errors}" if choice.errors else "") + ")"
+        )
+        return choice.module
 
     # ------------------------------------------------------------------ checkpoint state
 

@@ -64,6 +64,10 @@ def callback_kwargs(quant: DictConfig, errors: list[str], trusted: Any = ()) -> 
         "equalization": quant.equalization,
         "backend_config": quant.backend_config,
         "trusted_modules": list(trusted),
+        "lowering": _enum_value(quant.lowering),
+        "lowering_candidates": list(quant.lowering_candidates) or None,
+        "lowering_batch_size": int(quant.lowering_batch_size),
+        "lowering_min_sqnr_db": float(quant.lowering_min_sqnr_db),
     }
 
 
@@ -84,7 +88,8 @@ def build_callback(cfg: DictConfig) -> Any:
         if _enum_value(cfg.quant.method) == "ptq":
             from qlightning.callbacks.ptq import PostTrainingQuantization
 
-            for key in ("fake_quant_start", "observer_freeze", "bn_freeze", "observe_stages", "convert_on_fit_end"):
+            for key in ("fake_quant_start", "observer_freeze", "bn_freeze", "observe_stages", "convert_on_fit_end",
+                        "lowering", "lowering_candidates", "lowering_batch_size", "lowering_min_sqnr_db"):
                 kwargs.pop(key, None)
             options = {"qconfig_presets": kwargs.pop("qconfig_presets") or {}, "trusted": kwargs.pop("trusted_modules")}
             callback = PostTrainingQuantization(

@@ -27,6 +27,13 @@ class Backend(str, Enum):
     onednn = "onednn"
 
 
+class Lowering(str, Enum):
+    fx = "fx"
+    auto = "auto"
+    onnxruntime = "onnxruntime"
+    inductor = "inductor"
+
+
 class Method(str, Enum):
     qat = "qat"
     ptq = "ptq"
@@ -127,6 +134,10 @@ class QuantConf:
     equalization: Optional[Any] = field(default=None, metadata={"help": "input-weight equalization (FX prepare_fx, PTQ only): a list of module names or {global: true}"})
     ptq: PtqConf = field(default_factory=PtqConf, metadata={"help": "post-training quantization settings"})
     backend_config: Optional[str] = field(default=None, metadata={"help": "null = the backend's own; or x86, fbgemm, qnnpack, onednn, native, executorch"})
+    lowering: Lowering = field(default=Lowering.fx, metadata={"help": "int8 runtime at fit end: fx (the engine's converted module), onnxruntime, inductor, or auto (time each on the example input, keep the fastest whose output SQNR vs the fake-quant model passes; the choice is in report.json)"})
+    lowering_candidates: List[str] = field(default_factory=list, metadata={"help": "runtimes lowering=auto tries (empty: fx, onnxruntime, inductor)"})
+    lowering_batch_size: int = field(default=32, metadata={"help": "batch size lowering=auto times and checks at (the example input tiled)"})
+    lowering_min_sqnr_db: float = field(default=25.0, metadata={"help": "lowering=auto: minimum output SQNR vs the fake-quant model (or within 1 dB of the fx module's)"})
 
 
 @dataclass

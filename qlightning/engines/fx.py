@@ -66,6 +66,14 @@ def load_torch_ao() -> SimpleNamespace:
     return SimpleNamespace(**{k: v for k, v in locals().items() if k != "exc"})
 
 
+def _invalidate_fast(module: nn.Module) -> None:
+    """Drop fast fake-quant caches: the callback calls set_phase / set_observers after every buffer
+    broadcast (DDP), which writes scales and zero points without a version bump."""
+    from qlightning.engines.fast_fq import invalidate
+
+    invalidate(module)
+
+
 class FxEngine(QuantEngine):
     """torch.ao FX graph mode: fuse + trace + insert fake-quant, then ``convert_fx`` and lower.
 
@@ -165,13 +173,20 @@ class FxEngine(QuantEngine):
             kwargs["_equalization_config"] = spec.options["equalization_config"]
         try:
             with quiet_torch_ao():
-                return prepare(module, **kwargs)
+                prepared = prepare(module, **kwargs)
         except (torch.fx.proxy.TraceError, TypeError, RuntimeError, NotImplementedError, AttributeError) as exc:
             raise TraceError(
                 f"FX could not trace {type(module).__name__}: {type(exc).__name__}: {exc}. "
                 "Quantize a smaller submodule that traces (quant.modules), skip the part that does not "
                 "(quant.prepare.non_traceable_module_names / _classes), or run `qlightning doctor` for a diagnosis."
             ) from exc
+        if spec.is_qat and spec.options.get("fast_qat", True):
+            # vectorized fake-quant, ReLU fused into the fake-quant after it (both bit-identical to torch.ao),
+            # conv-bn dividing the weight rather than the conv output (float rounding): see fast_fq.py
+            from qlightning.engines.fast_fq import swap_fake_quant
+
+            swap_fake_quant(prepared, fake_quant=True, conv_bn=spec.options.get("fast_conv_bn", True), relu=True)
+        return prepared
 
     @staticmethod
     def _expand_regex(module: nn.Module, mapping: Any) -> Any:
@@ -229,6 +244,7 @@ class FxEngine(QuantEngine):
                 yield m
 
     def set_phase(self, module: nn.Module, phase: Phase) -> None:
+        _invalidate_fast(module)
         for m in self._quant_modules(module):
             if isinstance(m, self.ao.FakeQuantizeBase):
                 m.enable_fake_quant(phase.fake_quant)
@@ -244,6 +260,7 @@ class FxEngine(QuantEngine):
                     m.eval()
 
     def set_observers(self, module: nn.Module, enabled: bool) -> None:
+        _invalidate_fast(module)
         for m in self._quant_modules(module):
             if isinstance(m, self.ao.FakeQuantizeBase):
                 m.enable_observer(enabled)

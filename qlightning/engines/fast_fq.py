@@ -1,0 +1,381 @@
+"""Faster QAT training steps on CPU for torch.ao FX-prepared models, with the same numerics.
+
+Applied by ``FxEngine.prepare`` to QAT-prepared modules (``engine_options``: ``fast_qat`` for 1-4,
+``fast_conv_bn`` for 5, both default true); ``python -m benchmarks`` measures it (notes/perf.md). Where a torch.ao FX QAT step spends its extra time and
+memory over the float step on CPU (``python -m benchmarks profile``), and what replaces it:
+
+1. ``aten::_fake_quantize_per_tensor_affine_cachemask``, the element kernel of every activation
+   fake-quant, is scalar (~3 ns per element, 5-8x the same arithmetic as vectorized ATen ops) and keeps
+   a 1-byte mask per element. :class:`_FakeQuant`: six vectorized passes, a 1-bit mask.
+2. With fake-quant off, the fused op still copies its input and multiplies the gradient by a ones mask.
+   Here the input is returned as is.
+3. Per-channel weight fake-quant derives every channel's scale / zero point with tensor indexing in a
+   C++ loop (``select`` + ``fill_`` per channel, every step). Here min/max are one vectorized reduction
+   and the scale / zero point come from the fused op in qparams-only mode, once per change.
+4. ``ConvBnReLU``'s ReLU keeps its float output for backward next to the fake-quant's mask: fused
+   (:func:`fuse_relu_fake_quant`), one 1-bit mask for both and no extra activation copy.
+5. torch.ao's QAT conv-bn divides the full conv output by the BN scale factor (one pass forward, three
+   backward, the conv output kept for the gradient): :func:`fast_conv_bn_forward_approximate` divides
+   the weight instead, the same function up to float rounding.
+
+1-4 are bit-identical to torch.ao (outputs, gradients, observer state, scales, zero points, after any
+number of steps; ``python -m benchmarks equivalence``, tests); 5 differs by float rounding only (digits
+int8 accuracy over 3 seeds: ``python -m benchmarks accuracy``). Tensors below ``MIN_ELEMENTS``, non-CPU
+or non-float32 inputs and other observer types take torch.ao's own path.
+
+Everything is done by replacing *instance* methods (``forward``, ``_forward_approximate``) of torch.ao's
+own modules: classes, buffers, state_dict keys, ``convert_fx`` / reference conversion, ``deepcopy``
+are untouched; :func:`restore_fake_quant` undoes it.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from qlightning.engines.fx import quiet_torch_ao
+
+with quiet_torch_ao():
+    from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
+    from torch.ao.quantization.observer import MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver
+
+
+
+def _pack_inverted(outside: torch.Tensor) -> torch.Tensor:
+    """``~outside`` as 1 bit per element (numpy's SIMD packbits + invert: ~6 us per 128k elements)."""
+    if _np is None:
+        return outside.logical_not()
+    packed = _np.packbits(outside.reshape(-1).numpy())
+    return torch.from_numpy(_np.invert(packed, out=packed))
+
+
+def _unpack(packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The 0/1 ``uint8`` mask back in ``like``'s shape (a uint8 multiplier is 3x faster than a bool one)."""
+    if packed.dtype == torch.bool:
+        return packed.view(torch.uint8)
+    return torch.from_numpy(_np.unpackbits(packed.numpy(), count=like.numel())).view(like.shape)
+
+
+try:
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy ships with every torch wheel in practice
+    _np = None
+
+
+class _FakeQuant(torch.autograd.Function):
+    """``(clamp(round(x / s) + zp, qmin, qmax) - zp) * s`` with the straight-through mask gradient.
+
+    Bit-identical to ``aten::fake_quantize_per_{tensor,channel}_affine_cachemask``: ``x * (1/s)`` in
+    float32, round half to even, clamped to ``[qmin - zp, qmax - zp]`` (the same as adding ``zp``,
+    clamping and subtracting it again: every value is a small integer), times ``s`` rounded once;
+    backward ``grad * in_range``. Six vectorized passes: ``q - clamp(q)`` is 0 exactly in range, so its
+    float->bool cast is the out-of-range mask (bool-producing comparisons are 5-10x slower on CPU); the
+    mask is kept as 1 bit per element (torch.ao keeps 1 byte).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:  # type: ignore[override]
+        q = torch.mul(x, torch.reciprocal(scale))
+        q.round_()
+        out = torch.clamp(q, lo, hi)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(_pack_inverted(q.sub_(out).to(torch.bool)))
+        return out.mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return grad * _unpack(mask, grad), None, None, None
+
+
+# Below this many elements the fused op (one dispatch, scalar kernel) is faster than the vectorized
+# path (about ten dispatches): measured crossover ~5-10k elements on one AVX-512 core.
+MIN_ELEMENTS = 8192
+
+_ON = torch.ones(1, dtype=torch.long)
+_OFF = torch.zeros(1, dtype=torch.long)
+
+
+# Buffers and the observer are read from the module dicts directly: nn.Module.__getattr__ costs ~1 us
+# per lookup, and this forward runs for every activation and weight of every step. The functions below
+# become *instance* methods of torch.ao's own modules (see swap_fake_quant): the classes stay exactly
+# torch.ao's, which convert_fx's pattern matching requires.
+
+
+def _fused(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor, observe: torch.Tensor, fake_quant: torch.Tensor) -> torch.Tensor:
+    obs = self._modules["activation_post_process"]
+    return torch.fused_moving_avg_obs_fake_quant(
+        x, observe, fake_quant, obs._buffers["min_val"], obs._buffers["max_val"], self._buffers["scale"],
+        self._buffers["zero_point"], obs.averaging_constant, obs.quant_min, obs.quant_max, self.ch_axis,
+        self.is_per_channel, self.is_symmetric_quant,
+    )
+
+
+def _observe(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor) -> None:
+    if not self.is_per_channel:
+        _fused(self, x, _ON, _OFF)  # min/max moving average only (fake_quant off: no qparams, no copy)
+        return
+    obs = self._modules["activation_post_process"]
+    min_val, max_val = obs._buffers["min_val"], obs._buffers["max_val"]
+    axis = self.ch_axis
+    flat = (x if axis == 0 else x.transpose(0, axis)).reshape(x.shape[axis], -1)
+    cur_min, cur_max = flat.amin(1), flat.amax(1)  # (aminmax(dim=1) is ~20x slower here)
+    if min_val.numel() != cur_min.numel():
+        min_val.resize_(cur_min.shape).copy_(cur_min)
+        max_val.resize_(cur_max.shape).copy_(cur_max)
+        return
+    c = obs.averaging_constant
+    # running + c * (current - running), the fused op's update; a channel still at +-inf (torch.ao sizes
+    # and fills the buffers when it fake-quantizes before any observation) takes the current value
+    min_val.copy_(torch.where(torch.isinf(min_val), cur_min, min_val + c * (cur_min - min_val)))
+    max_val.copy_(torch.where(torch.isinf(max_val), cur_max, max_val + c * (cur_max - max_val)))
+
+
+def _state_key(self: FusedMovingAvgObsFakeQuantize) -> tuple[int, ...]:
+    obs = self._modules["activation_post_process"]._buffers
+    scale = self._buffers["scale"]
+    return (id(obs["min_val"]), obs["min_val"]._version, obs["max_val"]._version, id(scale), scale._version)
+
+
+def _update_qparams(self: FusedMovingAvgObsFakeQuantize, ndim: int) -> tuple[torch.Tensor, Any, Any]:
+    """Scale / zero point from the running min/max, by the fused op itself, recomputed only when they changed."""
+    cache = self.__dict__.get("_qlightning_cache")
+    key = _state_key(self) + (ndim,)
+    if cache is not None and cache[0] == key:
+        return cache[1]
+    if self.is_per_channel:
+        channels = self._modules["activation_post_process"]._buffers["min_val"].numel()
+        if self._buffers["scale"].numel() != channels:  # the op sizes them only when it observes itself
+            self._buffers["scale"].resize_(channels)
+            self._buffers["zero_point"].resize_(channels)
+        dummy = torch.zeros([channels if i == self.ch_axis else 1 for i in range(max(self.ch_axis + 1, 2))])
+    else:
+        dummy = torch.zeros(1)
+    _fused(self, dummy, _OFF, _ON)
+    obs = self._modules["activation_post_process"]
+    scale = self._buffers["scale"]
+    if self.is_per_channel:
+        shape = [-1 if i == self.ch_axis else 1 for i in range(ndim)]
+        zp = self._buffers["zero_point"].to(torch.float32).reshape(shape)
+        scale = scale.reshape(shape)
+        lo, hi = obs.quant_min - zp, obs.quant_max - zp
+    else:
+        zp = int(self._buffers["zero_point"].item())
+        lo, hi = obs.quant_min - zp, obs.quant_max - zp
+    self.__dict__["_qlightning_cache"] = (_state_key(self) + (ndim,), (scale, lo, hi))
+    return scale, lo, hi
+
+
+def fast_fake_quant_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> torch.Tensor:
+    """``FusedMovingAvgObsFakeQuantize.forward`` with a vectorized CPU path; same state, same numbers.
+
+    The running min/max and scale / zero point are still computed by torch.ao's fused op (called in
+    observe-only mode on the input and in qparams-only mode on a one-element-per-channel dummy), so they
+    are the op's own numbers; per-channel min/max (one vectorized reduction instead of the op's
+    per-channel loop) and the fake-quant itself are computed here. When the module was fused with the
+    ReLU before it (:func:`fuse_relu_fake_quant`), it applies that ReLU first, in the same function.
+    """
+    relu = self.__dict__.get("_qlightning_relu", False)
+    if X.numel() < MIN_ELEMENTS or X.device.type != "cpu" or X.dtype != torch.float32:
+        # small tensors: the fused op's single dispatch beats several vectorized ones
+        self.__dict__.pop("_qlightning_cache", None)  # the op writes scale / zp without a version bump
+        return FusedMovingAvgObsFakeQuantize.forward(self, torch.relu(X) if relu else X)
+    buffers = self._buffers
+    observe = buffers["observer_enabled"].item() == 1
+    if observe:
+        with torch.no_grad():
+            _observe(self, torch.relu(X.detach()) if relu else X.detach())
+        self.__dict__.pop("_qlightning_cache", None)  # the op writes min/max in place without a version bump
+    if buffers["fake_quant_enabled"].item() != 1:
+        return torch.relu(X) if relu else X  # the fused op returns a copy whose gradient is grad * ones
+    obs = self._modules["activation_post_process"]
+    if obs._buffers["min_val"].numel() == 0:
+        return FusedMovingAvgObsFakeQuantize.forward(self, torch.relu(X) if relu else X)  # never observed
+    with torch.no_grad():
+        scale, lo, hi = _update_qparams(self, X.dim())
+    return (_ReluFakeQuant if relu else _FakeQuant).apply(X, scale, lo, hi)
+
+
+class _ReluFakeQuant(torch.autograd.Function):
+    """``fake_quant(relu(x))`` in one function: one 1-bit mask (ReLU's and fake-quant's) kept for backward.
+
+    Unfused, ReLU keeps its float output (4 bytes per element) for its backward and fake-quant keeps a
+    mask; the next conv keeps the fake-quant output. Fused, the ReLU output is a temporary. Values and
+    gradients are those of ``relu`` then :class:`_FakeQuant`: ``grad * (relu(x) > 0) * in_range``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:  # type: ignore[override]
+        r = torch.relu(x)
+        q = torch.mul(r, torch.reciprocal(scale))
+        q.round_()
+        out = torch.clamp(q, lo, hi)
+        if ctx.needs_input_grad[0]:
+            # |q - clamp(q)| + 1 - sign(r): 0 exactly where in range and x > 0, >= 1 elsewhere
+            drop = q.sub_(out).abs_().sub_(r.sign_()).add_(1.0)
+            ctx.save_for_backward(_pack_inverted(drop.to(torch.bool)))
+        return out.mul_(scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return grad * _unpack(mask, grad), None, None, None
+
+
+# ---------------------------------------------------------------------------------------------- conv-bn
+
+
+def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """torch.ao's QAT conv-bn forward without the full-size ``conv / scale_factor`` pass.
+
+    torch.ao computes ``bn(conv(x, fq(w * s)) / s + b)`` with ``s = gamma / running_std`` per output
+    channel: one extra elementwise pass over the conv output forward and three backward (the gradient
+    to ``s`` reads the conv output, which is kept alive for it). The division is per output channel, so
+    it moves onto the weight: ``bn(conv(x, fq(w * s) / s, b))``, the same function (float rounding
+    differs, ~1e-7 relative), computed on the small weight tensor.
+    """
+    running_std = torch.sqrt(self.bn.running_var + self.bn.eps)
+    scale_factor = self.bn.weight / running_std
+    shape = [1] * len(self.weight.shape)
+    shape[0] = -1
+    s = scale_factor.reshape(shape)
+    weight = _DivideKeepingResult.apply(self.weight_fake_quant(self.weight * s), s)
+    return self.bn(self._conv_forward(input, weight, self.bias))
+
+
+class _DivideKeepingResult(torch.autograd.Function):
+    """``a / b`` whose backward keeps the result (which the conv keeps anyway), not ``a``: one weight-sized
+    tensor less held until backward. ``d/da = g / b``, ``d/db = -sum(g * (a / b)) / b`` over broadcast dims."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out = a / b
+        ctx.save_for_backward(out, b)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        out, b = ctx.saved_tensors
+        grad_a = grad / b if ctx.needs_input_grad[0] else None
+        grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_b = -(grad * out) / b
+            dims = [i for i, (n, m) in enumerate(zip(grad_b.shape, b.shape)) if m == 1 and n != 1]
+            grad_b = grad_b.sum(dim=dims, keepdim=True) if dims else grad_b
+        return grad_a, grad_b
+
+
+def _conv_bn_without_relu(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """``ConvBnReLU*d.forward`` minus the ReLU, which the fake-quant after it applies (fused)."""
+    return self._forward(input)
+
+
+def _identity(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """``nn.ReLU.forward`` when the fake-quant after it applies the ReLU (fused)."""
+    return input
+
+
+with quiet_torch_ao():
+    from torch.ao.nn.intrinsic import qat as _nniqat
+
+_CONV_BN = (_nniqat.ConvBn1d, _nniqat.ConvBn2d, _nniqat.ConvBn3d)
+_CONV_BN_RELU = (_nniqat.ConvBnReLU1d, _nniqat.ConvBnReLU2d, _nniqat.ConvBnReLU3d)
+
+
+def _eligible(m: nn.Module) -> bool:
+    return type(m) is FusedMovingAvgObsFakeQuantize and type(m.activation_post_process) in (
+        MovingAverageMinMaxObserver,
+        MovingAveragePerChannelMinMaxObserver,
+    )
+
+
+def is_fast(m: nn.Module) -> bool:
+    return getattr(m.__dict__.get("forward"), "__func__", None) is fast_fake_quant_forward
+
+
+def _patch(m: nn.Module, name: str, fn: Any) -> None:
+    m.__dict__[name] = types.MethodType(fn, m)
+
+
+def fuse_relu_fake_quant(gm: nn.Module) -> int:
+    """Let each fast fake-quant that only follows a ``ConvBnReLU*d`` or ``nn.ReLU`` apply that ReLU itself.
+
+    Only where the ReLU's output has no other user, both modules are called once in the graph (torch.ao
+    shares one observer between ops that share qparams; models reuse one ``nn.ReLU``) and the fake-quant
+    is per-tensor. Returns how many pairs were fused.
+    """
+    graph = getattr(gm, "graph", None)
+    if graph is None:
+        return 0
+    calls: dict[int, int] = {}  # call sites per module *object* (torch.ao registers shared observers under several names)
+    for node in graph.nodes:
+        if node.op == "call_module":
+            key = id(gm.get_submodule(node.target))
+            calls[key] = calls.get(key, 0) + 1
+    fused = 0
+    for node in graph.nodes:
+        if node.op != "call_module" or len(node.users) != 1:
+            continue
+        producer = gm.get_submodule(node.target)
+        if type(producer) not in _CONV_BN_RELU + (nn.ReLU,) or calls.get(id(producer)) != 1:
+            continue
+        user = next(iter(node.users))
+        if user.op != "call_module":
+            continue
+        fq = gm.get_submodule(user.target)
+        if calls.get(id(fq)) != 1:
+            continue
+        if not is_fast(fq) or fq.is_per_channel:
+            continue
+        _patch(producer, "forward", _identity if type(producer) is nn.ReLU else _conv_bn_without_relu)
+        fq.__dict__["_qlightning_relu"] = True
+        fused += 1
+    return fused
+
+
+def swap_fake_quant(module: nn.Module, fake_quant: bool = True, conv_bn: bool = False, relu: bool | None = None) -> int:
+    """Switch eligible modules of a prepared ``module`` to the fast paths, in place; returns how many.
+
+    ``fake_quant``: plain ``FusedMovingAvgObsFakeQuantize`` (bit-identical). ``conv_bn``: torch.ao
+    QAT ``ConvBn*`` / ``ConvBnReLU*`` (the same function up to float rounding). ``relu`` (default: with
+    ``conv_bn``): ReLU of a ``ConvBnReLU*d`` applied inside the fake-quant after it (bit-identical).
+    Only instance methods change: classes, state and ``convert_fx`` are untouched.
+    """
+    count = 0
+    for m in module.modules():
+        if fake_quant and _eligible(m):
+            _patch(m, "forward", fast_fake_quant_forward)
+            count += 1
+        elif conv_bn and type(m) in _CONV_BN + _CONV_BN_RELU and not m._enable_slow_path_for_better_numerical_stability:
+            _patch(m, "_forward_approximate", fast_conv_bn_forward_approximate)
+            count += 1
+    if relu if relu is not None else conv_bn:
+        fuse_relu_fake_quant(module)
+    return count
+
+
+def restore_fake_quant(module: nn.Module) -> int:
+    """Undo :func:`swap_fake_quant`."""
+    count = 0
+    for m in module.modules():
+        for name in ("forward", "_forward_approximate", "_qlightning_cache", "_qlightning_relu"):
+            if name in m.__dict__:
+                del m.__dict__[name]
+                count += name != "_qlightning_cache"
+    return count
+
+
+def invalidate(module: nn.Module) -> None:
+    """Forget cached scales / zero points (after buffers were written without a version bump, e.g. a
+    ``torch.distributed.broadcast``); they are recomputed from the buffers on the next forward."""
+    for m in module.modules():
+        m.__dict__.pop("_qlightning_cache", None)
+
+
+def fast_modules(module: nn.Module) -> Iterator[nn.Module]:
+    for m in module.modules():
+        if is_fast(m):
+            yield m

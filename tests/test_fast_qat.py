@@ -1,0 +1,188 @@
+"""The FX engine's fast QAT path (qlightning/engines/fast_fq.py) against torch.ao's own modules.
+
+fake-quant and ReLU fusion must be bit-identical to torch.ao (outputs, gradients, observer state,
+scales, zero points) over several training steps; the conv-bn forward the same function up to float
+rounding; nothing may change what convert_fx, deepcopy or state_dict see.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from qlightning import Inputs, Phase, QuantSpec, get_engine
+from qlightning.engines import fast_fq
+from qlightning.examples.digits import DigitsCNN, DigitsDataModule
+
+
+class ResBlockNet(nn.Module):
+    """conv-bn-relu, a residual add + nn.ReLU, a shared ReLU module and a maxpool: every fusion case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        self.conv = nn.Sequential(nn.Conv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32))
+        self.relu = nn.ReLU()
+        self.shared = nn.ReLU()
+        self.pool = nn.MaxPool2d(2)
+        self.head = nn.Linear(32 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = self.relu(self.conv(x) + x)
+        x = self.pool(self.shared(x))
+        return self.head(torch.flatten(self.shared(x), 1))
+
+
+def _data(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    dm = DigitsDataModule(seed=0)
+    dm.setup()
+    x, y = dm.splits["train"].tensors
+    return x[:n], y[:n]
+
+
+def _prepare(net: nn.Module, x: torch.Tensor, **options) -> nn.Module:
+    engine = get_engine("fx")
+    prepared = engine.prepare(net, Inputs((x[:1],)), QuantSpec(backend="x86", options=options))
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
+    return prepared
+
+
+def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, phases=()) -> nn.Module:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine = get_engine("fx")
+    for step in range(steps):
+        for at, phase in phases:
+            if step == at:
+                engine.set_phase(model, phase)
+        model.train()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model
+
+
+@pytest.mark.parametrize("net_cls", [DigitsCNN, ResBlockNet])
+def test_fast_fake_quant_and_relu_fusion_are_bit_identical(net_cls):
+    torch.manual_seed(0)
+    x, y = _data()
+    net = net_cls()
+    ref = _prepare(copy.deepcopy(net), x, fast_qat=False)
+    fast = _prepare(copy.deepcopy(net), x, fast_conv_bn=False)
+    assert any(fast_fq.is_fast(m) for m in fast.modules())
+    assert any(m.__dict__.get("_qlightning_relu") for m in fast.modules()), "no ReLU was fused"
+    phases = [(4, Phase(True, False, False)), (6, Phase(True, False, True))]  # observers, then BN frozen
+    _train(ref, x, y, 8, phases)
+    _train(fast, x, y, 8, phases)
+    ref_state, fast_state = ref.state_dict(), fast.state_dict()
+    assert list(ref_state) == list(fast_state)
+    for key in ref_state:
+        assert torch.equal(ref_state[key], fast_state[key]), key
+    with torch.no_grad():
+        assert torch.equal(ref.eval()(x), fast.eval()(x))
+
+
+def test_shared_relu_and_observer_are_not_fused():
+    torch.manual_seed(0)
+    x, _ = _data()
+    fast = _prepare(ResBlockNet(), x)
+    calls: dict[int, int] = {}
+    for node in fast.graph.nodes:
+        if node.op == "call_module":
+            key = id(fast.get_submodule(node.target))
+            calls[key] = calls.get(key, 0) + 1
+    for name, m in fast.named_modules():
+        if m.__dict__.get("_qlightning_relu"):
+            assert calls[id(m)] == 1, name
+    shared = fast.get_submodule("shared") if hasattr(fast, "shared") else None
+    if shared is not None:
+        assert "forward" not in shared.__dict__
+
+
+def test_fast_conv_bn_matches_up_to_rounding_and_converts_the_same():
+    torch.manual_seed(0)
+    x, y = _data()
+    net = DigitsCNN()
+    ref = _prepare(copy.deepcopy(net), x, fast_qat=False)
+    fast = _prepare(copy.deepcopy(net), x)
+    with torch.no_grad():
+        assert torch.allclose(ref(x), fast(x), rtol=1e-4, atol=1e-4)
+    # same state into both: converted int8 models are identical (convert_fx sees torch.ao's classes)
+    fast.load_state_dict(ref.state_dict())
+    engine, spec = get_engine("fx"), QuantSpec(backend="x86")
+    for m in (ref, fast):
+        engine.set_phase(m, Phase(True, False, True))
+    int8_ref = engine.convert(copy.deepcopy(ref), spec)
+    int8_fast = engine.convert(copy.deepcopy(fast), spec)
+    assert [type(m).__name__ for m in int8_ref.modules()] == [type(m).__name__ for m in int8_fast.modules()]
+    with torch.no_grad():
+        assert torch.equal(int8_ref(x), int8_fast(x))
+
+
+def test_deepcopy_keeps_the_fast_path_bound_to_the_copy():
+    torch.manual_seed(0)
+    x, y = _data()
+    fast = _prepare(DigitsCNN(), x)
+    clone = copy.deepcopy(fast)
+    for m in clone.modules():
+        bound = m.__dict__.get("forward")
+        if bound is not None and hasattr(bound, "__self__"):
+            assert bound.__self__ is m
+    _train(clone, x, y, 2)
+    with torch.no_grad():
+        assert not torch.equal(clone(x), fast(x))  # trained the copy, not the original
+
+
+def test_qparam_cache_follows_state_dict_loads_and_invalidation():
+    torch.manual_seed(0)
+    x, y = _data()
+    fast = _prepare(DigitsCNN(), x)
+    _train(fast, x, y, 3)
+    engine = get_engine("fx")
+    engine.set_phase(fast, Phase(True, False, True))
+    fast.eval()
+    with torch.no_grad():
+        before = fast(x)
+    other = _prepare(DigitsCNN(), x)  # same code path, different weights and scales
+    _train(other, x, y, 5)
+    engine.set_phase(other, Phase(True, False, True))  # (the flags are buffers: they load too)
+    fast.load_state_dict(other.state_dict())  # in-place copies: version bumps invalidate the caches
+    with torch.no_grad():
+        assert torch.equal(fast.eval()(x), other.eval()(x))
+        assert not torch.equal(fast(x), before)
+    # writes without a version bump (a distributed broadcast): set_phase / set_observers drop the caches
+    fq = next(m for m in fast.modules() if fast_fq.is_fast(m) and not m.is_per_channel and "_qlightning_cache" in m.__dict__)
+    with torch.no_grad():
+        fq.zero_point.data.add_(1)  # .data: no version bump seen by the cache key
+    engine.set_observers(fast, False)
+    assert "_qlightning_cache" not in fq.__dict__
+
+
+def test_disabled_by_engine_option():
+    x, _ = _data(8)
+    plain = _prepare(DigitsCNN(), x, fast_qat=False)
+    assert not any(fast_fq.is_fast(m) for m in plain.modules())
+    assert not any("_forward_approximate" in m.__dict__ for m in plain.modules())
+
+
+def test_per_channel_weight_fake_quantized_before_any_observation():
+    """torch.ao sizes per-channel min/max to +-inf when it fake-quantizes unobserved; observing must not give NaN."""
+    from torch.ao.quantization.qconfig import get_default_qat_qconfig
+
+    torch.manual_seed(0)
+    ref = get_default_qat_qconfig("x86").weight()
+    fast = copy.deepcopy(ref)
+    fast_fq._patch(fast, "forward", fast_fq.fast_fake_quant_forward)
+    w = torch.randn(64, 32, 3, 3)
+    for m in (ref, fast):
+        m.disable_observer()
+        m(w)  # fake-quant before any observation
+        m.enable_observer()
+    for _ in range(3):
+        w = w + 0.01 * torch.randn_like(w)
+        assert torch.equal(ref(w), fast(w))
+    for a, b in zip(ref.state_dict().values(), fast.state_dict().values()):
+        assert torch.equal(a, b) and torch.isfinite(a.float()).all()

@@ -1,0 +1,48 @@
+"""quant.lowering wiring: the callback keeps the runtime choose_lowering picks and records the choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qlightning import QuantizationAwareTraining
+from qlightning.errors import ConfigError
+from qlightning.examples import DigitsClassifier, DigitsDataModule
+from qlightning.lowering import source_of
+
+from conftest import make_trainer, test_accuracy
+
+
+def test_bad_lowering_arguments_fail_at_construction():
+    with pytest.raises(ConfigError) as err:
+        QuantizationAwareTraining(lowering="tensorrt", lowering_candidates=["tpu"], lowering_batch_size=0)
+    text = str(err.value)
+    assert "lowering='tensorrt'" in text and "tpu" in text and "lowering_batch_size" in text
+    with pytest.raises(ConfigError, match="keep_fake_quant"):
+        QuantizationAwareTraining(lowering="auto", keep_fake_quant=False)
+
+
+def test_lowering_auto_keeps_a_faithful_runtime_and_records_it():
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    torch.manual_seed(0)
+    dm = DigitsDataModule(seed=0)
+    model = DigitsClassifier()
+    qat = QuantizationAwareTraining(
+        modules=["net"], lowering="auto", lowering_candidates=["fx", "onnxruntime"], lowering_batch_size=16,
+        fake_quant_start={"epoch": 1}, observer_freeze={"epoch": 2}, bn_freeze={"epoch": 2},
+    )
+    make_trainer([qat], max_epochs=3).fit(model, datamodule=dm)
+    choice = qat.lowering_choices["net"]
+    assert choice["name"] in ("fx", "onnxruntime") and choice["name"] in choice["passed"]
+    assert set(choice["latency_ms"]) == {"fx", "onnxruntime"}
+    assert choice["batch_size"] == 16
+    assert source_of(model.net) is qat.int8_modules["net"]
+    fake_quant_acc = test_accuracy(qat.fake_quant_modules["net"], dm)
+    assert abs(test_accuracy(model.net, dm) - fake_quant_acc) <= 0.01
+
+
+def test_lowering_fx_is_the_default_and_changes_nothing(trained_qat):
+    _, model, _, qat = trained_qat
+    assert qat.lowering == "fx" and qat.lowering_choices == {}
+    assert model.net is qat.int8_modules["net"]
