@@ -4,8 +4,8 @@
 encoder, in one process per figure family, calls interleaved, medians of repeats:
 
 * QAT train step / float train step (forward + backward + Adam) for the plain torch.ao baseline
-  (``prepare_qat_fx``), qlightning's FX engine as shipped, qlightning FX with the proposed fast
-  fake-quant (``benchmarks/fastqat.py``), the same with observers and BatchNorm frozen, and the
+  (``prepare_qat_fx``), qlightning's FX engine with its fast fake-quant path off and on (the default,
+  ``qlightning/engines/fast_fq.py``), the latter with observers and BatchNorm frozen, and the
   qlightning PT2E engine;
 * float eager latency / int8 latency at batch 1 and 32: FX eager int8 (torch.ao ``convert_fx``),
   onnxruntime on the QDQ ONNX export, inductor on the q/dq graph, torchao PT2E + inductor, and what
@@ -151,9 +151,9 @@ def render(results: dict[str, Any]) -> str:
 
     step_rows = [
         ("torch.ao FX", "QAT train step / float step: torch.ao FX (`prepare_qat_fx`, fused fake-quant)"),
-        ("qlightning FX", "... qlightning FX engine (as shipped)"),
-        ("qlightning FX fast", "... qlightning FX + fast fake-quant & conv-bn (proposed)"),
-        ("qlightning FX fast, observers+BN frozen", "... same, observers and BN frozen (late QAT phase)"),
+        ("qlightning FX, fast path off", "... qlightning FX engine, `engine_options.fast_qat=false`"),
+        ("qlightning FX", "... qlightning FX engine (default: fast fake-quant & conv-bn)"),
+        ("qlightning FX, observers+BN frozen", "... same, observers and BN frozen (late QAT phase)"),
         ("qlightning PT2E", "... qlightning PT2E engine"),
     ]
     for key, label in step_rows:
@@ -177,9 +177,9 @@ def render(results: dict[str, Any]) -> str:
         lambda e: f"{e['latency']['1']['latency_ms']['float']:.3f} / {e['latency']['32']['latency_ms']['float']:.2f}")
     row("peak RSS growth in a train step, QAT / float: torch.ao FX",
         lambda e: _fmt(e["memory"]["torch.ao FX"]["rss_over_float"]))
-    row("... qlightning FX fast (proposed)", lambda e: _fmt(e["memory"]["qlightning FX fast"]["rss_over_float"]))
+    row("... qlightning FX (default)", lambda e: _fmt(e["memory"]["qlightning FX"]["rss_over_float"]))
     row("saved-for-backward bytes, QAT / float: torch.ao FX", lambda e: _fmt(e["memory"]["torch.ao FX"]["saved_over_float"]))
-    row("... qlightning FX fast (proposed)", lambda e: _fmt(e["memory"]["qlightning FX fast"]["saved_over_float"]))
+    row("... qlightning FX (default)", lambda e: _fmt(e["memory"]["qlightning FX"]["saved_over_float"]))
     row("float step: RSS growth / saved bytes (MiB)",
         lambda e: f"{e['memory']['float']['rss_growth_kb'] / 1024:.1f} / {e['memory']['float']['saved_for_backward_bytes'] / 2**20:.1f}")
     lines.append("")
@@ -256,7 +256,7 @@ def run_profile(args: argparse.Namespace) -> None:
     if args.variant == "torch.ao":
         model = suites.set_phase(suites.torchao_fx_prepare(model, x[:1]), suites.QAT_ON)
     elif args.variant == "fast":
-        model = suites.set_phase(suites.fast_prepare(model, x[:1]), suites.QAT_ON)
+        model = suites.set_phase(suites.qlightning_prepare(model, x[:1]), suites.QAT_ON)
     elif args.variant == "pt2e":
         model = suites.set_phase(suites.qlightning_prepare(model, x[:1], "pt2e"), suites.QAT_ON, "pt2e")
     step = suites.train_step(model, x, y)

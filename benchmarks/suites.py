@@ -57,20 +57,13 @@ def torchao_fx_prepare(model: nn.Module, example: torch.Tensor) -> nn.Module:
                               backend_config=get_x86_backend_config())
 
 
-def qlightning_prepare(model: nn.Module, example: torch.Tensor, engine: str = "fx") -> nn.Module:
+def qlightning_prepare(model: nn.Module, example: torch.Tensor, engine: str = "fx", fast: bool = True) -> nn.Module:
+    """qlightning's engine as a user gets it; ``fast=False`` turns the FX engine's fast fake-quant path
+    (``qlightning/engines/fast_fq.py``, ``engine_options={"fast_qat": False}``) off."""
     eng = get_engine(engine)
     with quiet():
         batch = example if engine == "fx" else example.repeat(2, *[1] * (example.dim() - 1))
-        return eng.prepare(model, Inputs((batch,)), QuantSpec(backend="x86"))
-
-
-def fast_prepare(model: nn.Module, example: torch.Tensor, conv_bn: bool = True) -> nn.Module:
-    """qlightning FX + the proposed fast fake-quant (bit-identical) and conv-bn forward (see fastqat.py)."""
-    from benchmarks.fastqat import swap_fake_quant
-
-    prepared = qlightning_prepare(model, example, "fx")
-    swap_fake_quant(prepared, fake_quant=True, conv_bn=conv_bn)
-    return prepared
+        return eng.prepare(model, Inputs((batch,)), QuantSpec(backend="x86", options={"fast_qat": fast}))
 
 
 def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
@@ -102,12 +95,12 @@ def qat_step_ratios(spec: ModelSpec, repeats: int, clock: str, pt2e: bool = True
     example = x[:1]
     variants: dict[str, nn.Module] = {"float": float_model}
     variants["torch.ao FX"] = set_phase(torchao_fx_prepare(copy.deepcopy(float_model), example), QAT_ON)
+    variants["qlightning FX, fast path off"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, fast=False), QAT_ON)
     variants["qlightning FX"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON)
-    variants["qlightning FX fast"] = set_phase(fast_prepare(copy.deepcopy(float_model), example), QAT_ON)
-    frozen = set_phase(fast_prepare(copy.deepcopy(float_model), example), QAT_ON)
+    frozen = set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON)
     with torch.no_grad():
         frozen(x)  # observers calibrated once, then frozen (the late QAT phase)
-    variants["qlightning FX fast, observers+BN frozen"] = set_phase(frozen, Phase(True, False, True))
+    variants["qlightning FX, observers+BN frozen"] = set_phase(frozen, Phase(True, False, True))
     if pt2e:
         try:
             variants["qlightning PT2E"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, "pt2e"), QAT_ON, "pt2e")
@@ -127,11 +120,11 @@ def qat_step_ratios(spec: ModelSpec, repeats: int, clock: str, pt2e: bool = True
 
 def fast_path_equivalence(spec: ModelSpec, steps: int = 3) -> dict[str, Any]:
     """Train the torch.ao-prepared model and the fast one side by side from the same state; compare."""
-    from benchmarks.fastqat import swap_fake_quant
+    from qlightning.engines.fast_fq import swap_fake_quant
 
     torch.manual_seed(0)
     x, y = spec.inputs(spec.train_batch), spec.labels(spec.train_batch)
-    base = set_phase(qlightning_prepare(spec.build(), x[:1]), QAT_ON)
+    base = set_phase(qlightning_prepare(spec.build(), x[:1], fast=False), QAT_ON)
     results = {}
     for label, conv_bn, relu in (("fake_quant (bit-exact)", False, False), ("fake_quant + relu fusion (bit-exact)", False, True),
                                  ("fake_quant + relu + conv_bn (float rounding)", True, True)):
@@ -180,8 +173,8 @@ for variant in sys.argv[3].split(","):
     m = spec.build()
     if variant == "torch.ao FX":
         m = suites.set_phase(suites.torchao_fx_prepare(m, x[:1]), suites.QAT_ON)
-    elif variant == "qlightning FX fast":
-        m = suites.set_phase(suites.fast_prepare(m, x[:1]), suites.QAT_ON)
+    elif variant == "qlightning FX":
+        m = suites.set_phase(suites.qlightning_prepare(m, x[:1]), suites.QAT_ON)
     step = suites.train_step(m, x, y)
     step(); step()
     gc.collect()
@@ -213,7 +206,7 @@ def saved_tensor_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> in
     return sum(n for ptr, n in seen.items() if ptr not in params and ptr != x.untyped_storage().data_ptr())
 
 
-def memory(name: str, quick: bool, variants: tuple[str, ...] = ("float", "torch.ao FX", "qlightning FX fast")) -> dict[str, Any]:
+def memory(name: str, quick: bool, variants: tuple[str, ...] = ("float", "torch.ao FX", "qlightning FX")) -> dict[str, Any]:
     """Peak RSS growth in one train step (fresh process; glibc told to mmap every block >= 64 KiB, so
     freed tensors leave RSS at once and the peak tracks live memory), and saved-for-backward bytes."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072",
@@ -399,7 +392,6 @@ def digits_accuracy(seeds: tuple[int, ...] = (0, 1, 2), epochs: int = 8) -> dict
     """Digits CNN trained with the default schedule (float warm-up 3 epochs, observers and BN frozen at
     6, 8 epochs, Adam 1e-2 with cosine decay) through torch.ao's FX QAT and through the fast path;
     int8 test accuracy and the share of test predictions on which the two int8 models agree."""
-    from benchmarks.fastqat import restore_fake_quant, swap_fake_quant
     from qlightning.examples.digits import DigitsCNN, DigitsDataModule
 
     dm = DigitsDataModule(seed=0)
@@ -409,12 +401,10 @@ def digits_accuracy(seeds: tuple[int, ...] = (0, 1, 2), epochs: int = 8) -> dict
     out: dict[str, Any] = {}
     for seed in seeds:
         preds = {}
-        for variant in ("torch.ao FX", "qlightning FX fast"):
+        for variant in ("torch.ao FX", "qlightning FX"):
             torch.manual_seed(seed)
             net = DigitsCNN()
-            prepared = qlightning_prepare(net, x[:1])
-            if variant != "torch.ao FX":
-                swap_fake_quant(prepared, fake_quant=True, conv_bn=True)
+            prepared = qlightning_prepare(net, x[:1], fast=variant == "qlightning FX")
             optimizer = torch.optim.Adam(prepared.parameters(), lr=1e-2)
             steps = epochs * -(-len(x) // 64)
             scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
@@ -429,11 +419,10 @@ def digits_accuracy(seeds: tuple[int, ...] = (0, 1, 2), epochs: int = 8) -> dict
                     nn.functional.cross_entropy(prepared(x[idx]), y[idx]).backward()
                     optimizer.step()
                     scheduler.step()
-            restore_fake_quant(prepared)
             with quiet():
                 int8 = get_engine("fx").convert(prepared, QuantSpec(backend="x86"))
             with torch.no_grad():
                 preds[variant] = int8(tx).argmax(1)
             out.setdefault(variant, []).append(round(float((preds[variant] == ty).float().mean()), 4))
-        out.setdefault("agreement", []).append(round(float((preds["torch.ao FX"] == preds["qlightning FX fast"]).float().mean()), 4))
+        out.setdefault("agreement", []).append(round(float((preds["torch.ao FX"] == preds["qlightning FX"]).float().mean()), 4))
     return out

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, quantized_engine
+from qlightning.engines.fx_prepare import faster_prepare
 from qlightning.errors import EngineUnavailableError, TraceError
 from qlightning.schedule import Phase
 
@@ -172,7 +173,7 @@ class FxEngine(QuantEngine):
         if not spec.is_qat and spec.options.get("equalization_config") is not None:
             kwargs["_equalization_config"] = spec.options["equalization_config"]
         try:
-            with quiet_torch_ao():
+            with quiet_torch_ao(), faster_prepare(spec.options.get("fast_prepare", True)):
                 prepared = prepare(module, **kwargs)
         except (torch.fx.proxy.TraceError, TypeError, RuntimeError, NotImplementedError, AttributeError) as exc:
             raise TraceError(
