@@ -186,3 +186,66 @@ def test_per_channel_weight_fake_quantized_before_any_observation():
         assert torch.equal(ref(w), fast(w))
     for a, b in zip(ref.state_dict().values(), fast.state_dict().values()):
         assert torch.equal(a, b) and torch.isfinite(a.float()).all()
+
+
+class MLPTokens(nn.Module):
+    """Linear layers over (batch, tokens, features), as in a transformer's FFN; one LinearReLU fusion."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 256)
+        self.act = nn.ReLU()
+        self.down = nn.Linear(256, 128)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(self.act(self.up(x))))
+
+
+def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward beyond the model's own parameters (which live anyway)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in parameters:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    return sum(storages.values())
+
+
+def test_linear_recomputes_its_weight_fake_quant_with_the_same_numbers():
+    """Same outputs, gradients and quant state as torch.ao over training (observer freeze included),
+    without keeping the fake-quantized weights for backward."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 12, 64), torch.randint(0, 10, (16,))
+    engine = get_engine("fx")
+    ref = engine.prepare(MLPTokens(), Inputs((x[:1],)), QuantSpec(backend="x86", options={"fast_qat": False}))
+    fast = copy.deepcopy(ref)
+    fast_fq.swap_fake_quant(fast, fake_quant=True, linear=True)
+    assert sum("forward" in m.__dict__ for m in fast.modules() if hasattr(m, "weight_fake_quant")) == 3
+
+    def loss(model):
+        return nn.functional.cross_entropy(model(x).mean(1), y)
+
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, fast)]
+    for step in range(4):
+        for model, optimizer in zip((ref, fast), optimizers):
+            engine.set_phase(model, Phase(fake_quant=True, observe=step < 2, bn_frozen=False))
+            model.train()
+            optimizer.zero_grad()
+            loss(model).backward()
+        for (name, a), b in zip(ref.named_parameters(), fast.parameters()):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
+        for optimizer in optimizers:
+            optimizer.step()
+    torch.testing.assert_close(fast.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6)
+    ref.eval(), fast.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), ref(x), rtol=1e-5, atol=1e-5)
+    ref.train(), fast.train()
+    weights = sum(m.weight.numel() * 4 for m in (fast.up, fast.down))
+    assert _saved_bytes(ref, x) - _saved_bytes(fast, x) >= 0.9 * weights

@@ -1,7 +1,7 @@
 """Faster QAT training steps on CPU for torch.ao FX-prepared models, with the same numerics.
 
 Applied by ``FxEngine.prepare`` to QAT-prepared modules (``engine_options``: ``fast_qat`` for 1-4,
-``fast_conv_bn`` for 5, both default true); ``python -m benchmarks`` measures it (notes/perf.md). Where a torch.ao FX QAT step spends its extra time and
+``fast_conv_bn`` for 5, ``fast_linear`` for 6, all default true); ``python -m benchmarks`` measures it (notes/perf.md). Where a torch.ao FX QAT step spends its extra time and
 memory over the float step on CPU (``python -m benchmarks profile``), and what replaces it:
 
 1. ``aten::_fake_quantize_per_tensor_affine_cachemask``, the element kernel of every activation
@@ -17,9 +17,12 @@ memory over the float step on CPU (``python -m benchmarks profile``), and what r
 5. torch.ao's QAT conv-bn divides the full conv output by the BN scale factor (one pass forward, three
    backward, the conv output kept for the gradient): :func:`fast_conv_bn_forward_approximate` divides
    the weight instead, the same function up to float rounding.
+6. QAT ``Linear`` keeps the fake-quantized weight (a weight-sized float tensor) for backward:
+   :func:`fast_linear_forward` keeps the weight parameter itself and recomputes ``fq(w)`` in backward.
 
 1-4 are bit-identical to torch.ao (outputs, gradients, observer state, scales, zero points, after any
-number of steps; ``python -m benchmarks equivalence``, tests); 5 differs by float rounding only (digits
+number of steps; ``python -m benchmarks equivalence``, tests); 6 gives identical outputs and gradients
+equal up to the reduction order of its matrix products (identical in the tests); 5 differs by float rounding only (digits
 int8 accuracy over 3 seeds: ``python -m benchmarks accuracy``). Tensors below ``MIN_ELEMENTS``, non-CPU
 or non-float32 inputs and other observer types take torch.ao's own path.
 
@@ -225,6 +228,81 @@ class _ReluFakeQuant(torch.autograd.Function):
         return grad * _unpack(mask, grad), None, None, None
 
 
+# ---------------------------------------------------------------------------------------------- linear
+
+
+def _fake_quant_values(w: torch.Tensor, scale: torch.Tensor, lo: Any, hi: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`_FakeQuant`'s forward arithmetic: ``(fq(w), in_range as 0/1 uint8)``."""
+    q = torch.mul(w, torch.reciprocal(scale))
+    q.round_()
+    out = torch.clamp(q, lo, hi)
+    inside = q.sub_(out).to(torch.bool).logical_not_().view(torch.uint8)
+    return out.mul_(scale), inside
+
+
+class _LinearRecomputingWeightFakeQuant(torch.autograd.Function):
+    """``linear(x, fq(w), b)`` that keeps ``w`` (the parameter itself) for backward instead of ``fq(w)``.
+
+    torch.ao's QAT Linear keeps the fake-quantized weight, a weight-sized float tensor per layer, alive
+    until backward (on the benchmark transformer, 12 of 69 MiB saved for backward). Here backward
+    re-derives ``fq(w)`` and its mask from the weight and the same scale / zero point (a few passes over
+    the weight, small next to the matmuls). Forward values are bit-identical; gradients equal autograd's
+    ``addmm`` backward up to the reduction order of the matrix products.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: Any, scale: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:  # type: ignore[override]
+        wq, _ = _fake_quant_values(w, scale, lo, hi)
+        tensors = (lo, hi) if isinstance(lo, torch.Tensor) else ()
+        ctx.bounds = None if tensors else (lo, hi)
+        ctx.has_bias = b is not None
+        ctx.save_for_backward(x, w, scale, *tensors)
+        return torch.nn.functional.linear(x, wq, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, w, scale, *tensors = ctx.saved_tensors
+        lo, hi = ctx.bounds if ctx.bounds is not None else tensors
+        wq, inside = _fake_quant_values(w, scale, lo, hi)
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g.mm(wq).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = g.t().mm(x.reshape(-1, x.shape[-1])).mul_(inside)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def fast_linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """QAT ``Linear`` / ``LinearReLU`` forward whose weight fake-quant is recomputed in backward.
+
+    The weight fake-quant module still observes and derives its qparams exactly as
+    :func:`fast_fake_quant_forward` does (same state); only what autograd keeps changes.
+    """
+    fq = self._modules["weight_fake_quant"]
+    weight = self._parameters["weight"]
+    buffers = fq._buffers
+    relu = type(self) is not _nnqat.Linear
+    if (weight.numel() < MIN_ELEMENTS or not is_fast(fq) or not torch.is_grad_enabled() or not weight.requires_grad
+            or input.device.type != "cpu" or input.dtype != torch.float32 or input.dim() < 2):
+        return type(self).forward(self, input)
+    if buffers["observer_enabled"].item() == 1:
+        with torch.no_grad():
+            _observe(fq, weight.detach())
+        fq.__dict__.pop("_qlightning_cache", None)
+    if buffers["fake_quant_enabled"].item() != 1:
+        out = torch.nn.functional.linear(input, weight, self.bias)
+    elif fq._modules["activation_post_process"]._buffers["min_val"].numel() == 0:
+        return type(self).forward(self, input)  # never observed: torch.ao's own path
+    else:
+        with torch.no_grad():
+            scale, lo, hi = _update_qparams(fq, weight.dim())
+        out = _LinearRecomputingWeightFakeQuant.apply(input, weight, self.bias, scale, lo, hi)
+    return torch.relu(out) if relu else out
+
+
 # ---------------------------------------------------------------------------------------------- conv-bn
 
 
@@ -279,6 +357,7 @@ def _identity(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
 
 
 with quiet_torch_ao():
+    from torch.ao.nn import qat as _nnqat
     from torch.ao.nn.intrinsic import qat as _nniqat
 
 _CONV_BN = (_nniqat.ConvBn1d, _nniqat.ConvBn2d, _nniqat.ConvBn3d)
@@ -336,7 +415,8 @@ def fuse_relu_fake_quant(gm: nn.Module) -> int:
     return fused
 
 
-def swap_fake_quant(module: nn.Module, fake_quant: bool = True, conv_bn: bool = False, relu: bool | None = None) -> int:
+def swap_fake_quant(module: nn.Module, fake_quant: bool = True, conv_bn: bool = False, relu: bool | None = None,
+                    linear: bool = False) -> int:
     """Switch eligible modules of a prepared ``module`` to the fast paths, in place; returns how many.
 
     ``fake_quant``: plain ``FusedMovingAvgObsFakeQuantize`` (bit-identical). ``conv_bn``: torch.ao
@@ -351,6 +431,9 @@ def swap_fake_quant(module: nn.Module, fake_quant: bool = True, conv_bn: bool = 
             count += 1
         elif conv_bn and type(m) in _CONV_BN + _CONV_BN_RELU and not m._enable_slow_path_for_better_numerical_stability:
             _patch(m, "_forward_approximate", fast_conv_bn_forward_approximate)
+            count += 1
+        elif linear and type(m) in (_nnqat.Linear, _nniqat.LinearReLU) and _eligible(m.weight_fake_quant):
+            _patch(m, "forward", fast_linear_forward)
             count += 1
     if relu if relu is not None else conv_bn:
         fuse_relu_fake_quant(module)

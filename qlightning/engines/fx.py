@@ -186,7 +186,8 @@ class FxEngine(QuantEngine):
             # conv-bn dividing the weight rather than the conv output (float rounding): see fast_fq.py
             from qlightning.engines.fast_fq import swap_fake_quant
 
-            swap_fake_quant(prepared, fake_quant=True, conv_bn=spec.options.get("fast_conv_bn", True), relu=True)
+            swap_fake_quant(prepared, fake_quant=True, conv_bn=spec.options.get("fast_conv_bn", True), relu=True,
+                            linear=spec.options.get("fast_linear", True))
         return prepared
 
     @staticmethod
