@@ -239,6 +239,10 @@ BAD_INPUTS = [
     (["+quant.example_inputs.net={shape: [1, 8], dtype: float33}"], "not a torch dtype"),
     (["model._target_=builtins.eval"], "not an allowed class"),
     (["quant.engine=pt2e", "quant.backend=qnnpack"], "the pt2e engine supports only 'x86'"),
+    (["+quant.engine_options.fast_qta=false"], "quant.engine_options.fast_qta: unknown option for engine 'fx'; valid: ['fast_conv_bn'"),
+    (["+quant.engine_options.fast_linear=1"], "quant.engine_options.fast_linear=1: true or false"),
+    (["quant.engine=pt2e", "+quant.engine_options.fast_qat=false"], "unknown option for engine 'pt2e'"),
+    (["quant.method=ptq", "+quant.engine_options.dynamic_dims=[1]"], "unknown option for engine 'fx'"),
 ]
 
 
@@ -500,3 +504,13 @@ def test_recipes_diff(capsys):
     assert cli_main(["recipes", "diff", "digits_qat", "digits_qnnpack"]) == 0
     out = capsys.readouterr().out
     assert "-  backend: x86" in out and "+  backend: qnnpack" in out
+
+
+def test_engine_options_reach_the_engine():
+    """quant.engine_options.fast_qat=false gives torch.ao's modules untouched; the default the fast path."""
+    from qlightning.engines import fast_fq
+
+    _, fast = prepared_net()
+    _, plain = prepared_net("+quant.engine_options.fast_qat=false")
+    assert any(fast_fq.is_fast(m) for m in fast.modules())
+    assert not any(fast_fq.is_fast(m) or "forward" in m.__dict__ for m in plain.modules())

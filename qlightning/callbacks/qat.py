@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from qlightning.capture import example_inputs_for, resolve_targets
 from qlightning.distributed import broadcast_buffers
-from qlightning.engines import BACKENDS, ENGINES, Inputs, QuantEngine, QuantSpec, get_engine
+from qlightning.engines import BACKENDS, ENGINES, Inputs, QuantEngine, QuantSpec, check_engine_options, get_engine
 from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError
 from qlightning.schedule import MilestoneLike, Phase, Schedule
 
@@ -163,6 +163,8 @@ class QuantizationAwareTraining(Callback):
     ) -> None:
         errors: list[str] = []
         names = check_common_arguments(modules, backend, engine, errors)
+        if isinstance(engine, str):
+            check_engine_options(engine, engine_options, errors)
         bad_stages = [s for s in observe_stages if s not in STAGES]
         if bad_stages:
             errors.append(f"observe_stages={list(observe_stages)!r}: unknown stage(s) {bad_stages}; valid: {list(STAGES)}")

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from qlightning.callbacks import QuantizationAwareTraining
 from qlightning.config.allowlist import check_class_paths
-from qlightning.engines import Inputs
+from qlightning.engines import Inputs, check_engine_options
 from qlightning.errors import ConfigError
 
 
@@ -64,6 +64,7 @@ def callback_kwargs(quant: DictConfig, errors: list[str], trusted: Any = ()) -> 
         "equalization": quant.equalization,
         "backend_config": quant.backend_config,
         "trusted_modules": list(trusted),
+        "engine_options": OmegaConf.to_container(quant.engine_options) if quant.get("engine_options") else None,
         "lowering": _enum_value(quant.lowering),
         "lowering_candidates": list(quant.lowering_candidates) or None,
         "lowering_batch_size": int(quant.lowering_batch_size),
@@ -91,7 +92,9 @@ def build_callback(cfg: DictConfig) -> Any:
             for key in ("fake_quant_start", "observer_freeze", "bn_freeze", "observe_stages", "convert_on_fit_end",
                         "lowering", "lowering_candidates", "lowering_batch_size", "lowering_min_sqnr_db"):
                 kwargs.pop(key, None)
-            options = {"qconfig_presets": kwargs.pop("qconfig_presets") or {}, "trusted": kwargs.pop("trusted_modules")}
+            user_options = kwargs.pop("engine_options") or {}
+            check_engine_options(kwargs["engine"], user_options, errors, "quant.engine_options")
+            options = {**user_options, "qconfig_presets": kwargs.pop("qconfig_presets") or {}, "trusted": kwargs.pop("trusted_modules")}
             callback = PostTrainingQuantization(
                 **kwargs, engine_options=options, mode=_enum_value(ptq.mode), calibrate_on=_enum_value(ptq.calibrate_on),
                 num_calibration_batches=ptq.num_calibration_batches, cross_layer_equalization=ptq.cross_layer_equalization,

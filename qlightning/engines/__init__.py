@@ -7,6 +7,41 @@ from qlightning.errors import ConfigError
 
 ENGINES = ("fx", "pt2e")
 
+#: What each engine reads from ``engine_options`` (``quant.engine_options``): name -> (kind, meaning).
+ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
+    "fx": {
+        "fast_qat": (bool, "vectorized fake-quant, fused ReLU, conv-bn and linear paths in training (default true)"),
+        "fast_conv_bn": (bool, "conv-bn dividing the weight instead of the conv output (default true)"),
+        "fast_linear": (bool, "QAT Linear recomputes its weight fake-quant in backward (default true)"),
+        "fast_prepare": (bool, "skip torch.ao's throw-away observer constructions in prepare (default true)"),
+    },
+    "pt2e": {
+        "dynamic_batch": (bool, "export dim 0 of the inputs as a dynamic batch (default true)"),
+        "dynamic_dims": (list, "further input dims exported as dynamic, e.g. [1] for a sequence (default [])"),
+        "fold_quantize": (bool, "convert_pt2e stores int8 weights (default true)"),
+        "fast_fold": (bool, "conv-bn fuse/fold only for the variants in the graph (default true)"),
+    },
+}
+
+
+def check_engine_options(engine: str, options: object, errors: list[str], key: str = "engine_options") -> None:
+    """Append a message per unknown option or wrongly typed value of ``engine``'s options."""
+    if options is None:
+        return
+    if not hasattr(options, "items"):
+        errors.append(f"{key}={options!r}: a mapping of option name to value, e.g. {{fast_qat: false}}")
+        return
+    known = ENGINE_OPTIONS.get(engine)
+    if known is None:
+        return
+    for name, value in options.items():
+        if name not in known:
+            errors.append(f"{key}.{name}: unknown option for engine {engine!r}; valid: {sorted(known)}")
+        elif known[name][0] is bool and not isinstance(value, bool):
+            errors.append(f"{key}.{name}={value!r}: true or false")
+        elif known[name][0] is list and not (isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value)):
+            errors.append(f"{key}.{name}={value!r}: a list of dimension indexes, e.g. [1]")
+
 
 def get_engine(name: str) -> QuantEngine:
     """Return the engine called ``name`` (``fx`` or ``pt2e``).
@@ -25,4 +60,4 @@ def get_engine(name: str) -> QuantEngine:
     raise ConfigError(f"quant.engine={name!r}: unknown engine; valid choices: {list(ENGINES)}")
 
 
-__all__ = ["BACKENDS", "ENGINES", "Inputs", "QuantEngine", "QuantSpec", "get_engine"]
+__all__ = ["BACKENDS", "ENGINES", "ENGINE_OPTIONS", "check_engine_options", "Inputs", "QuantEngine", "QuantSpec", "get_engine"]
