@@ -25,11 +25,13 @@ Examples::
     python -m benchmarks profile --model resnet18_like --variant torch.ao
     python -m benchmarks equivalence             # fast path vs torch.ao after a few steps
     python -m benchmarks accuracy                # digits int8 accuracy, torch.ao vs fast path, 3 seeds
+    python -m benchmarks options --model transformer --off fast_linear   # A/B of engine options
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import sys
@@ -287,10 +289,33 @@ def run_equivalence(args: argparse.Namespace) -> None:
     print(json.dumps(out, indent=2))
 
 
+def run_options(args: argparse.Namespace) -> None:
+    """QAT step / float step of the FX engine as shipped vs with some ``engine_options`` off, interleaved."""
+    from benchmarks import suites
+    from benchmarks.models import model_spec
+    from benchmarks.timing import interleaved_medians, medians
+    from qlightning import Inputs, QuantSpec, get_engine
+
+    spec = model_spec(args.model, args.quick)
+    torch.manual_seed(0)
+    float_model = spec.build()
+    x, y = spec.inputs(spec.train_batch), spec.labels(spec.train_batch)
+    off = {name: False for name in args.off.split(",") if name}
+
+    def prepared(options: dict) -> torch.nn.Module:
+        module = get_engine("fx").prepare(copy.deepcopy(float_model), Inputs((x[:1],)), QuantSpec(backend="x86", options=options))
+        return suites.set_phase(module, suites.QAT_ON)
+
+    variants = {"float": float_model, "default": prepared({}), f"off: {','.join(off)}": prepared(off)}
+    fns = {name: suites.train_step(m, x, y) for name, m in variants.items()}
+    med = medians(interleaved_medians(fns, args.repeats or 15, warmup=2, clock=args.clock))
+    print(json.dumps({name: round(value / med["float"], 3) for name, value in med.items()}, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy"))
+    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy", "options"))
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--repeats", type=int, default=0, help="repeats per timing (default: per model and mode)")
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer candidates (< ~3 min on 2 cores)")
@@ -310,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--top", type=int, default=30)
+    # options
+    parser.add_argument("--off", default="fast_linear", help="options: comma-separated FX engine options to turn off in the B arm")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
@@ -319,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         return run_profile(args)
     if args.command == "equivalence":
         return run_equivalence(args)
+    if args.command == "options":
+        return run_options(args)
     if args.command == "accuracy":
         from benchmarks import suites
 
