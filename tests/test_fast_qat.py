@@ -226,7 +226,7 @@ def test_linear_recomputes_its_weight_fake_quant_with_the_same_numbers():
     ref = engine.prepare(MLPTokens(), Inputs((x[:1],)), QuantSpec(backend="x86", options={"fast_qat": False}))
     fast = copy.deepcopy(ref)
     fast_fq.swap_fake_quant(fast, fake_quant=True, linear=True)
-    assert sum("forward" in m.__dict__ for m in fast.modules() if hasattr(m, "weight_fake_quant")) == 3
+    assert sum("forward" in m.__dict__ for m in fast.modules() if hasattr(m, "weight_fake_quant")) == 2  # head: small
 
     def loss(model):
         return nn.functional.cross_entropy(model(x).mean(1), y)

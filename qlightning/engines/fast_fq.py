@@ -432,7 +432,8 @@ def swap_fake_quant(module: nn.Module, fake_quant: bool = True, conv_bn: bool = 
         elif conv_bn and type(m) in _CONV_BN + _CONV_BN_RELU and not m._enable_slow_path_for_better_numerical_stability:
             _patch(m, "_forward_approximate", fast_conv_bn_forward_approximate)
             count += 1
-        elif linear and type(m) in (_nnqat.Linear, _nniqat.LinearReLU) and _eligible(m.weight_fake_quant):
+        elif (linear and type(m) in (_nnqat.Linear, _nniqat.LinearReLU) and _eligible(m.weight_fake_quant)
+              and m.weight.numel() >= MIN_ELEMENTS):  # small layers: not worth an extra Python frame per call
             _patch(m, "forward", fast_linear_forward)
             count += 1
     if relu if relu is not None else conv_bn:
