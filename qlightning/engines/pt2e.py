@@ -501,6 +501,8 @@ class Pt2eEngine(QuantEngine):
 
     ``spec.options``: ``dynamic_batch`` (default ``True``: dim 0 of the inputs is a ``torch.export.Dim``),
     ``dynamic_dims`` (default ``[]``: further input dims exported as dynamic, e.g. ``[1]`` for a sequence),
+    ``quantize_embeddings`` (default ``False``: also store ``aten.embedding`` tables as uint8 rows, torchao's
+    ``EmbeddingQuantizer`` composed before the x86 quantizer; weight-only, observed on the final weights),
     ``fold_quantize`` (default ``True``, passed to ``convert_pt2e``), ``fast_fold`` (default
     ``True``: the conv-bn fuse/fold described in the module docstring; ``False`` runs torchao's own).
 
@@ -606,9 +608,17 @@ class Pt2eEngine(QuantEngine):
 
     def quantizer(self, spec: QuantSpec) -> Any:
         if isinstance(spec.qconfig_mapping, self.ao.Quantizer):
-            return spec.qconfig_mapping
-        quantizer = self.ao.X86InductorQuantizer()
-        quantizer.set_global(self.ao.get_default_x86_inductor_quantization_config(is_qat=spec.is_qat))
+            quantizer = spec.qconfig_mapping
+        else:
+            quantizer = self.ao.X86InductorQuantizer()
+            quantizer.set_global(self.ao.get_default_x86_inductor_quantization_config(is_qat=spec.is_qat))
+        if spec.options.get("quantize_embeddings", False):
+            # weight-only uint8 rows (per-row float scale and offset) for aten.embedding, which
+            # X86InductorQuantizer leaves float; a language model's embedding tables are often half its size
+            from torchao.quantization.pt2e.quantizer.composable_quantizer import ComposableQuantizer
+            from torchao.quantization.pt2e.quantizer.embedding_quantizer import EmbeddingQuantizer
+
+            quantizer = ComposableQuantizer([EmbeddingQuantizer(), quantizer])
         return quantizer
 
     # ------------------------------------------------------------------ prepare
@@ -747,11 +757,33 @@ class Pt2eEngine(QuantEngine):
         finally:
             setattr(target, name, original)
 
+    def _observe_final_weights(self, gm: torch.fx.GraphModule) -> None:
+        """Let every plain observer of a parameter (weight-only quantization, e.g. embeddings) see its final value.
+
+        A QAT weight goes through a fake-quant whose qparams follow the weight; a plain observer
+        (torchao's EmbeddingQuantizer) stopped observing when the observers froze, while the weight
+        kept training: its range would clamp the converted weight.
+        """
+        for node in gm.graph.nodes:
+            if node.op != "call_module" or not node.args or getattr(node.args[0], "op", None) != "get_attr":
+                continue
+            observer = gm.get_submodule(str(node.target))
+            if isinstance(observer, self.ao.fake_quant_types) or not isinstance(observer, self.ao.observer_types):
+                continue
+            weight: Any = gm
+            for part in str(node.args[0].target).split("."):
+                weight = getattr(weight, part)
+            if hasattr(observer, "reset_min_max_vals"):
+                observer.reset_min_max_vals()
+            with torch.no_grad():
+                type(observer).forward(observer, weight.detach())
+
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
         self.check_spec(spec)
         if not isinstance(module, torch.fx.GraphModule):
             raise TypeError(f"Pt2eEngine.convert expects the module returned by prepare, got {type(module).__name__}")
         self.set_observers(module, False)
+        self._observe_final_weights(module)
         module.eval()  # dropout off, BatchNorm on running statistics: the patterns the fold matches
         for node in list(module.graph.nodes):
             if _is_bn_counter(node) and not node.users:
