@@ -118,13 +118,13 @@ class InductorModule(nn.Module):
         self.dynamic = dynamic
         self._compiled: Any = None
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         import torch._inductor.config as inductor_config
 
         if self._compiled is None:
             self._compiled = torch.compile(self.graph, dynamic=self.dynamic)
         with inductor_config.patch(freezing=True), torch.no_grad():
-            return self._compiled(*args)
+            return self._compiled(*args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -343,8 +343,6 @@ def choose_lowering(
     inputs = example_inputs if isinstance(example_inputs, Inputs) else Inputs(
         (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     )
-    if inputs.kwargs:
-        raise LoweringError("choose_lowering: keyword inputs are not supported; pass positional inputs")
     table = {**BUILDERS, **dict(builders or {})}
     unknown = [c for c in candidates if c not in table]
     if unknown:
@@ -355,13 +353,16 @@ def choose_lowering(
     if threads:
         torch.set_num_threads(threads)
     try:
-        batches = [inputs.args] if not parity_inputs else [
-            (b,) if isinstance(b, torch.Tensor) else tuple(b.args if isinstance(b, Inputs) else b) for b in parity_inputs
+        # keyword inputs (e.g. input_ids=, attention_mask=) reach candidates that take them (fx, inductor);
+        # the exported ones (onnxruntime) take positional inputs and fail to build, which disqualifies them
+        batches = [(inputs.args, inputs.kwargs)] if not parity_inputs else [
+            ((b,), {}) if isinstance(b, torch.Tensor) else
+            ((tuple(b.args), dict(b.kwargs)) if isinstance(b, Inputs) else (tuple(b), {})) for b in parity_inputs
         ]
 
         def outputs(module: nn.Module) -> torch.Tensor:
             with torch.no_grad():
-                outs = [_first_tensor(module(*args)).float() for args in batches]
+                outs = [_first_tensor(module(*args, **kwargs)).float() for args, kwargs in batches]
             return outs[0] if len(outs) == 1 else torch.cat([o.reshape(1) if o.dim() == 0 else o for o in outs])
 
         reference_module = copy.deepcopy(fake_quant_module).eval()
@@ -382,7 +383,7 @@ def choose_lowering(
                     choice.build_s[name] = round(time.perf_counter() - start, 3)
                     first = time.perf_counter()
                     with torch.no_grad():
-                        module(*inputs.args)  # the first call: compilation for compiled runtimes
+                        module(*inputs.args, **inputs.kwargs)  # the first call: compilation for compiled runtimes
                     choice.first_call_s[name] = round(time.perf_counter() - first, 3)
                     output = outputs(module)
             except Exception as exc:  # a runtime that cannot take this model is simply not a candidate
@@ -404,7 +405,7 @@ def choose_lowering(
         def runner(m: nn.Module) -> Callable[[], Any]:
             def run() -> None:
                 with torch.inference_mode():
-                    m(*inputs.args)
+                    m(*inputs.args, **inputs.kwargs)
 
             return run
 
@@ -437,7 +438,7 @@ def _parity_problems(choice: LoweringChoice, name: str, fallback: str, tolerance
 
 
 def _batch_size(inputs: Inputs) -> Optional[int]:
-    for a in inputs.args:
+    for a in (*inputs.args, *inputs.kwargs.values()):
         if isinstance(a, torch.Tensor) and a.dim() > 0:
             return int(a.shape[0])
     return None

@@ -186,6 +186,22 @@ def test_first_call_is_recorded_apart_from_build_and_latency(toy):
     assert "first_call_s" in choice.to_dict() and choice.name == "lazy"
 
 
+class KeywordScaled(Scaled):
+    def forward(self, x: torch.Tensor, *, gain: torch.Tensor) -> torch.Tensor:  # keyword-only, like input_ids=
+        return super().forward(x) * gain
+
+
+def test_keyword_inputs_reach_the_candidates(toy):
+    _, _, x, w = toy
+    reference, int8 = KeywordScaled(w), KeywordScaled(w, noise=0.0005, seed=1)
+    gain = torch.full((1,), 2.0)
+    choice = choose_lowering(reference, int8, Inputs((x,), {"gain": gain}), candidates=("fx", "other"),
+                             builders={"other": lambda ctx: KeywordScaled(w, noise=0.001, seed=2)},
+                             timer=fixed_timer({"fx": 2.0, "other": 1.0}))
+    assert choice.errors == {} and choice.name == "other" and choice.sqnr_db["other"] > 30
+    assert choice.batch_size == x.shape[0]
+
+
 def test_reference_never_observes(toy):
     """The fake-quant model is run on a copy: its observers (and any state) never move."""
     _, int8, x, w = toy
