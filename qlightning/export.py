@@ -534,9 +534,30 @@ def write_torchscript(int8: nn.Module, example: Inputs, path: Path) -> None:
         raise ExportError(problem)
 
 
-def write_pt2(program: Any, path: Path) -> None:
-    with quiet_export():
-        torch.export.save(program, str(path))
+# Per-node debugging metadata torch.export records (source lines, module paths, node provenance):
+# more than half of a small program's serialized graph, and nothing a loaded program needs to run.
+DEBUG_META = ("stack_trace", "from_node", "nn_module_stack", "source_fn_stack", "torch_fn", "original_aten", "seq_nr")
+
+
+def write_pt2(program: Any, path: Path, keep_debug_meta: bool = False) -> None:
+    """``torch.export.save`` of ``program``; without :data:`DEBUG_META` unless ``keep_debug_meta``.
+
+    The program itself is left as it was (its metadata is restored after writing).
+    """
+    saved: list[tuple[dict[str, Any], str, Any]] = []
+    if not keep_debug_meta:
+        for module in program.graph_module.modules():
+            if isinstance(module, torch.fx.GraphModule):
+                for node in module.graph.nodes:
+                    for key in DEBUG_META:
+                        if key in node.meta:
+                            saved.append((node.meta, key, node.meta.pop(key)))
+    try:
+        with quiet_export():
+            torch.export.save(program, str(path))
+    finally:
+        for meta, key, value in saved:
+            meta[key] = value
 
 
 def write_onnx(qdq: QdqProgram, path: Path, opset: Optional[int] = None) -> int:

@@ -154,6 +154,54 @@ def test_fallback_is_always_a_candidate_and_unknown_names_fail(toy):
         choose_lowering(reference, int8, x, candidates=("fx", "tpu"))
 
 
+class CompilesOnFirstCall(Scaled):
+    """Stands in for a compiled runtime: the first call "compiles", and remembers which input it saw."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__(w)
+        self.calls: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        return super().forward(x)
+
+
+def test_first_call_is_recorded_apart_from_build_and_latency(toy):
+    reference, int8, x, w = toy
+    built = {}
+
+    def lazy(ctx):
+        built["module"] = CompilesOnFirstCall(w)
+        return built["module"]
+
+    def broken(ctx):
+        raise RuntimeError("cannot build")
+
+    choice = choose_lowering(reference, int8, x, candidates=("fx", "lazy", "broken"),
+                             builders={"lazy": lazy, "broken": broken}, timer=fixed_timer({"fx": 2.0, "lazy": 1.0}))
+    assert set(choice.first_call_s) == {"fx", "lazy"} and set(choice.build_s) == {"fx", "lazy", "broken"}
+    assert all(v >= 0 for v in choice.first_call_s.values())
+    # the first call is on the example input, before the parity check and the timing runs
+    assert built["module"].calls[0] == x.shape[0] and len(built["module"].calls) >= 3
+    assert "first_call_s" in choice.to_dict() and choice.name == "lazy"
+
+
+class KeywordScaled(Scaled):
+    def forward(self, x: torch.Tensor, *, gain: torch.Tensor) -> torch.Tensor:  # keyword-only, like input_ids=
+        return super().forward(x) * gain
+
+
+def test_keyword_inputs_reach_the_candidates(toy):
+    _, _, x, w = toy
+    reference, int8 = KeywordScaled(w), KeywordScaled(w, noise=0.0005, seed=1)
+    gain = torch.full((1,), 2.0)
+    choice = choose_lowering(reference, int8, Inputs((x,), {"gain": gain}), candidates=("fx", "other"),
+                             builders={"other": lambda ctx: KeywordScaled(w, noise=0.001, seed=2)},
+                             timer=fixed_timer({"fx": 2.0, "other": 1.0}))
+    assert choice.errors == {} and choice.name == "other" and choice.sqnr_db["other"] > 30
+    assert choice.batch_size == x.shape[0]
+
+
 def test_reference_never_observes(toy):
     """The fake-quant model is run on a copy: its observers (and any state) never move."""
     _, int8, x, w = toy

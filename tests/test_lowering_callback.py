@@ -46,3 +46,28 @@ def test_lowering_fx_is_the_default_and_changes_nothing(trained_qat):
     _, model, _, qat = trained_qat
     assert qat.lowering == "fx" and qat.lowering_choices == {}
     assert model.net is qat.int8_modules["net"]
+
+
+@pytest.mark.slow
+def test_pt2e_lowered_by_inductor_through_the_callback():
+    """quant.engine=pt2e quant.lowering=inductor: the compiled q/dq graph replaces the module; compile time is apart."""
+    pytest.importorskip("torchao.quantization.pt2e")
+    from qlightning.lowering import InductorModule
+
+    torch.manual_seed(0)
+    dm = DigitsDataModule(seed=0)
+    model = DigitsClassifier()
+    qat = QuantizationAwareTraining(
+        modules=["net"], engine="pt2e", lowering="inductor",
+        fake_quant_start={"epoch": 1}, observer_freeze={"epoch": 2}, bn_freeze={"epoch": 2},
+    )
+    make_trainer([qat], max_epochs=3).fit(model, datamodule=dm)
+    choice = qat.lowering_choices["net"]
+    assert set(choice["latency_ms"]) == {"fx", "inductor"} and "inductor" in choice["passed"], choice["errors"]
+    assert choice["sqnr_db"]["inductor"] >= 25.0
+    assert set(choice["first_call_s"]) == {"fx", "inductor"}  # inductor's compilation, apart from latency_ms
+    assert source_of(model.net) is qat.int8_modules["net"]
+    if choice["name"] == "inductor":
+        assert isinstance(model.net, InductorModule)
+    fake_quant_acc = test_accuracy(qat.fake_quant_modules["net"], dm)
+    assert abs(test_accuracy(model.net, dm) - fake_quant_acc) <= 0.01  # the whole test split: another batch size

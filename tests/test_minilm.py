@@ -109,3 +109,110 @@ def test_minilm_recipe_validates():
     from qlightning.cli.recipes import validate
 
     assert validate("minilm_qat") == []
+
+
+@pytest.fixture(scope="module")
+def trained_pt2e():
+    """The whole encoder through the PT2E engine (torch.export + X86InductorQuantizer), 12 steps of distillation."""
+    pytest.importorskip("torchao.quantization.pt2e")
+    from conftest import make_trainer
+    from qlightning import QuantizationAwareTraining
+    from qlightning.examples.minilm import MINILM_PT2E_QAT, MiniLMDistillation, SentenceDataModule
+
+    pl.seed_everything(0)
+    model, dm = MiniLMDistillation(lr=1e-5), SentenceDataModule(batch_size=16)
+    qat = QuantizationAwareTraining(**MINILM_PT2E_QAT)
+    trainer = make_trainer([qat], max_epochs=-1, max_steps=12, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=dm)
+    metrics = trainer.test(model, datamodule=dm, verbose=False)[0]
+    return model, dm, qat, metrics
+
+
+def test_pt2e_int8_encoder_stays_close_to_float_on_held_out_sentences(trained_pt2e):
+    model, dm, qat, metrics = trained_pt2e
+    assert qat.targets == ["encoder"] and qat.converted
+    state = model.encoder.state_dict()
+    # every Linear of the 6 layers (q, k, v, attention output, FFN in, FFN out) and the pooler holds int8 weights,
+    # the word / position / token-type embedding tables uint8 rows; no float matrix is left
+    int8 = [k for k, v in state.items() if v.dtype == torch.int8 and v.dim() == 2]
+    uint8 = [k for k, v in state.items() if v.dtype == torch.uint8 and v.dim() == 2]
+    float_matrices = sorted(k for k, v in state.items() if v.dtype.is_floating_point and v.dim() == 2)
+    assert len(int8) == 6 * 6 + 1 and len(uint8) == 3 and float_matrices == [], float_matrices
+    print(f"pt2e held-out cosine int8 vs float: mean {metrics['test/cosine']:.4f} min {metrics['test/min_cosine']:.4f}")
+    assert metrics["test/cosine"] >= 0.98, metrics
+    assert metrics["test/min_cosine"] >= 0.97, metrics
+    # the held-out batch is longer than the sentence the encoder was exported with: the sequence length is dynamic
+    input_ids, mask = dm.collate(list(dm.held_out_sentences[:3]))
+    with torch.no_grad():
+        assert model(input_ids, mask).shape == (3, 384)
+
+
+FRESH_ENCODER = """
+import sys, torch
+import transformers.modeling_outputs  # the program returns BertModel's output dataclass (a pytree node it registers)
+path, inputs, out = sys.argv[1:]
+ids, mask = torch.load(inputs)
+m = torch.export.load(path).module()
+with torch.no_grad():
+    torch.save(m(ids, mask)[0], out)
+"""
+
+
+def test_pt2e_encoder_saves_at_a_quarter_of_the_float_size_and_reloads(trained_pt2e, tmp_path):
+    """The int8 encoder as a .pt2 (torch.export.save): <= 0.3 of the float model, and it runs after torch.export.load."""
+    import io
+    import subprocess
+    import sys
+
+    from qlightning.examples.minilm import mean_pool
+    from qlightning.export import export_module
+
+    model, dm, qat, _ = trained_pt2e
+    buffer = io.BytesIO()
+    torch.save(model.teacher.state_dict(), buffer)  # the float encoder
+    example = qat.inputs["encoder"]
+    artifacts, _ = export_module(qat, model, "encoder", example, tmp_path, ["pt2"])
+    art = artifacts[0]
+    assert art.error is None, art.error
+    ratio = art.path.stat().st_size / len(buffer.getvalue())
+    print(f"pt2e MiniLM .pt2 {art.path.stat().st_size / 2**20:.1f} MiB = {ratio:.3f} of the float encoder")
+    assert ratio <= 0.3
+    ids, mask = example.kwargs["input_ids"], example.kwargs["attention_mask"]
+    ids, mask = ids.repeat(3, 1), mask.repeat(3, 1)  # another batch size (the sequence length is the example's)
+    torch.save((ids, mask), tmp_path / "inputs.pt")
+    (tmp_path / "fresh.py").write_text(FRESH_ENCODER)
+    done = subprocess.run([sys.executable, str(tmp_path / "fresh.py"), str(art.path), str(tmp_path / "inputs.pt"),
+                           str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with torch.no_grad():
+        expected = mean_pool(model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+    got = mean_pool(torch.load(tmp_path / "out.pt"), mask)
+    assert (got * expected).sum(-1).min() >= 0.999
+
+
+def test_pt2e_encoder_lowered_by_inductor_with_keyword_inputs(trained_pt2e):
+    """lowering with torch.compile (inductor) of the int8 encoder, called as encoder(input_ids=..., attention_mask=...)."""
+    from qlightning.engines import Inputs
+    from qlightning.examples.minilm import mean_pool
+    from qlightning.lowering import InductorModule, choose_lowering
+
+    model, dm, qat, _ = trained_pt2e
+    ids, mask = dm.collate(list(dm.held_out_sentences[:8]))
+    example = Inputs((), {"input_ids": ids, "attention_mask": mask})
+    choice = choose_lowering(qat.fake_quant_modules["encoder"], qat.int8_modules["encoder"], example,
+                             candidates=("fx", "inductor"), repeats=3, warmup=1)
+    print(f"pt2e MiniLM lowering: {choice.latency_ms} ms, first call {choice.first_call_s} s, SQNR {choice.sqnr_db} dB")
+    assert "inductor" in choice.passed, choice.errors
+    assert set(choice.first_call_s) == {"fx", "inductor"}
+    module = choice.module if choice.name == "inductor" else None
+    if module is not None:
+        assert isinstance(module, InductorModule)
+        with torch.no_grad():
+            compiled = mean_pool(module(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+            eager = mean_pool(qat.int8_modules["encoder"](input_ids=ids, attention_mask=mask).last_hidden_state, mask)
+        teacher = model.teacher_embeddings(ids, mask)
+        # inductor's int8 kernels round differently from the eager q/dq graph (per sentence 0.995-1.0 apart),
+        # and stay as close to the float model as the eager int8 model
+        print(f"compiled vs eager int8 {(compiled * eager).sum(-1).min():.4f}, vs float {(compiled * teacher).sum(-1).mean():.4f}")
+        assert (compiled * eager).sum(-1).min() >= 0.99
+        assert (compiled * teacher).sum(-1).mean() >= 0.98 and (compiled * teacher).sum(-1).min() >= 0.97

@@ -1,7 +1,13 @@
-"""The QuantizationAwareTraining callback on the FX engine, trained for real on digits."""
+"""The QuantizationAwareTraining callback on both engines (FX and PT2E), trained for real on digits.
+
+Tests that exercise engine-neutral behaviour are parametrised over ``engine``; the PT2E variants of
+FX-only features are skipped with the reason.
+"""
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import subprocess
 import sys
 
@@ -15,6 +21,37 @@ from conftest import DEFAULT_SCHEDULE, make_trainer, test_accuracy
 from qlightning import ConfigError, Phase, QLightningError, QuantizationAwareTraining
 from qlightning.examples import DigitsClassifier, DigitsDataModule
 from qlightning.examples.digits import ClassifierModule, DigitsCNN
+
+
+NO_TORCHAO = importlib.util.find_spec("torchao") is None
+ENGINES = ["fx", pytest.param("pt2e", marks=pytest.mark.skipif(NO_TORCHAO, reason="the pt2e engine needs torchao"))]
+
+
+def fx_only(reason: str) -> list:
+    return ["fx", pytest.param("pt2e", marks=pytest.mark.skip(reason=reason))]
+
+
+def is_int8(module: nn.Module) -> bool:
+    """The converted model of either engine: FX's quantized modules, or a PT2E graph whose weights are int8."""
+    if any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in module.modules()):
+        return True
+    matrices = [v for v in module.state_dict().values() if v.dim() >= 2]
+    fake_quant = any(hasattr(m, "fake_quant_enabled") for m in module.modules())
+    return bool(matrices) and all(v.dtype == torch.int8 for v in matrices) and not fake_quant
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def trained(request):
+    """One full default-schedule QAT run (8 epochs) per engine, shared by the tests that only read its result."""
+    if request.param == "fx":
+        return request.getfixturevalue("trained_qat")
+    pl.seed_everything(0)
+    dm = DigitsDataModule(seed=0)
+    model = DigitsClassifier()
+    qat = QuantizationAwareTraining(modules=["net"], backend="x86", engine=request.param, **DEFAULT_SCHEDULE)
+    trainer = make_trainer([qat])
+    trainer.fit(model, datamodule=dm)
+    return trainer, model, dm, qat
 
 
 def quant_buffers(qat: QuantizationAwareTraining, model: pl.LightningModule) -> dict[str, torch.Tensor]:
@@ -47,12 +84,12 @@ def assert_state_dicts_equal(a: dict, b: dict) -> None:
         assert_equal(a[key], b[key], key)
 
 
-def test_int8_keeps_float_accuracy_and_agrees_with_fake_quant(trained_qat):
-    trainer, model, dm, qat = trained_qat
+def test_int8_keeps_float_accuracy_and_agrees_with_fake_quant(trained):
+    trainer, model, dm, qat = trained
     assert qat.converted
     int8_acc = trainer.test(model, datamodule=dm, verbose=False)[0]["test/accuracy"]
     fake = qat.fake_quant_modules["net"]
-    fp32 = __import__("copy").deepcopy(fake)
+    fp32 = copy.deepcopy(fake)
     fp32.load_state_dict(qat.float_snapshot["net"])  # the float model QAT started from (end of warm-up)
     qat.engine.set_phase(fp32, Phase(fake_quant=False, observe=False, bn_frozen=True))
     fp32_acc = test_accuracy(fp32, dm)
@@ -64,22 +101,41 @@ def test_int8_keeps_float_accuracy_and_agrees_with_fake_quant(trained_qat):
     assert agreement >= 0.99
 
 
-def test_submodule_is_replaced_by_a_lowered_int8_module(trained_qat):
-    _, model, _, _ = trained_qat
-    import torch.ao.nn.intrinsic.quantized as nniq
-    import torch.ao.nn.quantized as nnq
+def test_submodule_is_replaced_by_a_lowered_int8_module(trained):
+    _, model, _, qat = trained
+    assert is_int8(model.net) and not qat.engine.is_prepared(model.net)
+    if qat.engine.name == "fx":
+        import torch.ao.nn.intrinsic.quantized as nniq
+        import torch.ao.nn.quantized as nnq
 
-    assert sum(isinstance(m, nniq.ConvReLU2d) for m in model.net.modules()) == 3
-    assert sum(isinstance(m, nnq.Linear) for m in model.net.modules()) == 1
-    assert not any(p.dtype.is_floating_point for p in model.net.parameters())
+        assert sum(isinstance(m, nniq.ConvReLU2d) for m in model.net.modules()) == 3
+        assert sum(isinstance(m, nnq.Linear) for m in model.net.modules()) == 1
+        assert not any(p.dtype.is_floating_point for p in model.net.parameters())
+    else:  # a q/dq graph: int8 weights (3 convs, BatchNorm folded, and the classifier), every activation quantized
+        weights = [v for v in model.net.state_dict().values() if v.dim() >= 2]
+        assert sorted(tuple(w.shape) for w in weights) == [(10, 64), (16, 1, 3, 3), (32, 16, 3, 3), (64, 32, 3, 3)]
+        targets = [n.target for n in model.net.graph.nodes if n.op == "call_function"]
+        assert torch.ops.aten.batch_norm.default not in targets
+        assert targets.count(torch.ops.quantized_decomposed.dequantize_per_channel.default) == 4
 
 
-@pytest.mark.parametrize("resume_epoch", [1, 3, 6], ids=["before-fake-quant", "fake-quant-observing", "after-freeze"])
-def test_resume_from_checkpoint_gives_the_same_int8_model(tmp_path, resume_epoch):
+# pt2e: the mid-QAT resume point runs with the quick tests, the other two with the slow ones (each is two fits)
+RESUME_CASES = [
+    pytest.param(epoch, engine, id=f"{name}-{engine}", marks=marks)
+    for epoch, name in [(1, "before-fake-quant"), (3, "fake-quant-observing"), (6, "after-freeze")]
+    for engine, marks in [
+        ("fx", ()),
+        ("pt2e", [pytest.mark.skipif(NO_TORCHAO, reason="the pt2e engine needs torchao")] + ([] if epoch == 3 else [pytest.mark.slow])),
+    ]
+]
+
+
+@pytest.mark.parametrize("resume_epoch, engine", RESUME_CASES)
+def test_resume_from_checkpoint_gives_the_same_int8_model(tmp_path, resume_epoch, engine):
     def run(ckpt_path=None, save=False):
         pl.seed_everything(0)
         model = DigitsClassifier()
-        qat = QuantizationAwareTraining(modules=["net"], **DEFAULT_SCHEDULE)
+        qat = QuantizationAwareTraining(modules=["net"], engine=engine, **DEFAULT_SCHEDULE)
         callbacks = [qat]
         if save:
             callbacks.append(ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
@@ -96,7 +152,9 @@ def test_resume_from_checkpoint_gives_the_same_int8_model(tmp_path, resume_epoch
     assert_state_dicts_equal(uninterrupted.net.state_dict(), resumed.net.state_dict())
 
 
-def test_learnable_qparams_are_optimized():
+@pytest.mark.parametrize("engine", fx_only("a torch.ao QConfigMapping (learnable fake-quant) is FX-only; pt2e takes "
+                                           "X86InductorQuantizer configs, which have no learnable variant"))
+def test_learnable_qparams_are_optimized(engine):
     from torch.ao.quantization import MovingAverageMinMaxObserver, QConfig, QConfigMapping
     from torch.ao.quantization._learnable_fake_quantize import _LearnableFakeQuantize
 
@@ -132,10 +190,11 @@ def test_learnable_qparams_are_optimized():
     assert len(moved) >= len(scales) // 2, f"only {moved} of {list(scales)} moved after the observers froze"
 
 
-def test_validate_test_and_predict_leave_observers_untouched():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_validate_test_and_predict_leave_observers_untouched(engine):
     pl.seed_everything(0)
     model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
-    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 1}, convert_on_fit_end=False)
+    qat = QuantizationAwareTraining(modules=["net"], engine=engine, fake_quant_start={"epoch": 1}, convert_on_fit_end=False)
     trainer = make_trainer([qat], max_epochs=2)
     trainer.fit(model, datamodule=dm)
     before = quant_buffers(qat, model)
@@ -148,10 +207,11 @@ def test_validate_test_and_predict_leave_observers_untouched():
     assert all(bool(m.fake_quant_enabled[0]) for m in model.net.modules() if hasattr(m, "fake_quant_enabled"))
 
 
-def test_observe_stages_lets_validation_calibrate():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_observe_stages_lets_validation_calibrate(engine):
     pl.seed_everything(0)
     model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
-    qat = QuantizationAwareTraining(modules=["net"], observe_stages=["train", "validate"], convert_on_fit_end=False)
+    qat = QuantizationAwareTraining(modules=["net"], engine=engine, observe_stages=["train", "validate"], convert_on_fit_end=False)
     trainer = make_trainer([qat], max_epochs=1)
     trainer.fit(model, datamodule=dm)
     before = quant_buffers(qat, model)
@@ -168,9 +228,10 @@ class CountingClassifier(DigitsClassifier):
         return super().training_step(batch, batch_idx)
 
 
-def test_unknown_submodule_fails_before_training_and_lists_choices():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_unknown_submodule_fails_before_training_and_lists_choices(engine):
     CountingClassifier.steps = 0
-    qat = QuantizationAwareTraining(modules=["nett", "net.features.9"])
+    qat = QuantizationAwareTraining(modules=["nett", "net.features.9"], engine=engine)
     with pytest.raises(ConfigError) as err:
         make_trainer([qat], max_epochs=1).fit(CountingClassifier(), datamodule=DigitsDataModule())
     text = str(err.value)
@@ -210,13 +271,14 @@ class LazyClassifier(ClassifierModule):
             self.net = DigitsCNN()
 
 
-def test_submodules_built_in_configure_model_are_prepared():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_submodules_built_in_configure_model_are_prepared(engine):
     pl.seed_everything(0)
     model = LazyClassifier()
-    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 2})
+    qat = QuantizationAwareTraining(modules=["net"], engine=engine, fake_quant_start={"epoch": 2})
     trainer = make_trainer([qat], max_epochs=4)
     trainer.fit(model, datamodule=DigitsDataModule(seed=0))
-    assert qat.converted and any(isinstance(m, torch.ao.nn.quantized.Linear) for m in model.net.modules())
+    assert qat.converted and is_int8(model.net)
     assert trainer.test(model, datamodule=DigitsDataModule(seed=0), verbose=False)[0]["test/accuracy"] > 0.9
 
 
@@ -226,37 +288,43 @@ class NoExampleClassifier(DigitsClassifier):
         self.example_input_array = None
 
 
-def test_example_inputs_come_from_a_training_batch_when_the_model_has_none():
-    qat = QuantizationAwareTraining(modules=["net.features", "net.classifier"], convert_on_fit_end=False)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_example_inputs_come_from_a_training_batch_when_the_model_has_none(engine):
+    qat = QuantizationAwareTraining(modules=["net.features", "net.classifier"], engine=engine, convert_on_fit_end=False)
     model = NoExampleClassifier()
     make_trainer([qat], max_epochs=1, limit_train_batches=2, limit_val_batches=1).fit(model, datamodule=DigitsDataModule())
     assert qat.inputs["net.features"].args[0].shape == (64, 1, 8, 8)
     assert qat.inputs["net.classifier"].args[0].shape == (64, 64)
+    assert qat.engine.is_prepared(model.net.features) and qat.engine.is_prepared(model.net.classifier)
 
 
-def test_missing_example_inputs_is_a_clear_error():
-    qat = QuantizationAwareTraining(modules=["net"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_missing_example_inputs_is_a_clear_error(engine):
+    qat = QuantizationAwareTraining(modules=["net"], engine=engine)
     model = NoExampleClassifier()
     with pytest.raises(ConfigError, match="could not find inputs for \\['net'\\]"):
         qat.prepare(model)  # no trainer, no example_input_array, nothing configured
 
 
-def test_fit_twice_without_converting_then_convert():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fit_twice_without_converting_then_convert(engine):
     pl.seed_everything(0)
     model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
-    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 0}, convert_on_fit_end=False)
+    qat = QuantizationAwareTraining(modules=["net"], engine=engine, fake_quant_start={"epoch": 0}, convert_on_fit_end=False)
     make_trainer([qat], max_epochs=1).fit(model, datamodule=dm)
     prepared = model.net
     make_trainer([qat], max_epochs=2).fit(model, datamodule=dm)
     assert model.net is prepared, "a second fit must not prepare again"
     qat.convert(model)
-    assert qat.converted and test_accuracy(model.net, dm) > 0.8
+    assert qat.converted and is_int8(model.net) and test_accuracy(model.net, dm) > 0.8
     with pytest.raises(QLightningError, match="already converted"):
         make_trainer([qat], max_epochs=3).fit(model, datamodule=dm)
 
 
+@pytest.mark.parametrize("engine", fx_only("pt2e targets x86 only (X86InductorQuantizer, lowered by inductor); other "
+                                           "backends are a ConfigError, see test_engine_pt2e.py::test_fx_only_settings_are_config_errors"))
 @pytest.mark.parametrize("backend", ["qnnpack", "onednn", "fbgemm"])
-def test_other_backends_convert_and_run(backend):
+def test_other_backends_convert_and_run(backend, engine):
     pl.seed_everything(0)
     model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
     qat = QuantizationAwareTraining(modules=["net"], backend=backend, fake_quant_start={"epoch": 1})
@@ -265,7 +333,9 @@ def test_other_backends_convert_and_run(backend):
     assert test_accuracy(model.net, dm) > 0.9
 
 
-def test_fx_engine_missing_gives_a_clear_error_and_import_still_works():
+@pytest.mark.parametrize("engine", fx_only("about torch.ao FX missing; pt2e without torchao is "
+                                           "test_engine_pt2e.py::test_import_qlightning_without_torchao"))
+def test_fx_engine_missing_gives_a_clear_error_and_import_still_works(engine):
     code = (
         "import sys; sys.modules['torch.ao.quantization.quantize_fx'] = None\n"
         "import qlightning\n"

@@ -22,6 +22,10 @@ Three things differ from torchao's own helpers, on purpose:
   per-channel or not, bias or not, BatchNorm training flag) and caches them per process; when a
   QAT conv-bn pattern is left unfolded it falls back to torchao's full fold. Likewise prepare
   runs torchao's conv-bn fuse only for the conv kinds in the graph (12 pattern exports -> 3).
+* Dead code: the exported graph is dead-code-eliminated before annotation (an unused
+  ``nn.Linear`` -> ``nn.Tanh``, e.g. BERT's pooler, makes ``X86InductorQuantizer`` fail with
+  ``IndexError`` at ``partition.output_nodes[0]``), and the converted graph drops the fp32 weights
+  and folded BatchNorm tensors ``convert_pt2e`` leaves beside the int8 ``_frozen_param*``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import itertools
 import logging
 import warnings
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -443,6 +447,49 @@ def _fast_fuse_conv_bn_qat(m: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return m
 
 
+def _eliminate_dead_code(gm: torch.fx.GraphModule) -> int:
+    """Remove the computations whose results nothing uses (in place); return how many nodes went.
+
+    ``torch.export`` keeps side-effect-free nodes whose outputs are unused, e.g. the pooler
+    (``dense`` -> ``tanh``) of a Hugging Face ``BertModel`` whose caller only reads
+    ``last_hidden_state``. ``X86InductorQuantizer``'s linear+unary annotation then meets a ``tanh``
+    partition with no output node and fails with ``IndexError: list index out of range``
+    (``partition.output_nodes[0]``); quantizing dead code is pointless anyway. Mutating ops (the
+    BatchNorm counters, in-place updates) are impure and stay.
+    """
+    before = len(gm.graph.nodes)
+    if gm.graph.eliminate_dead_code():
+        gm.recompile()
+    return before - len(gm.graph.nodes)
+
+
+def _drop_unused_attributes(gm: torch.fx.GraphModule) -> list[str]:
+    """Delete the parameters, buffers and tensor attributes no ``get_attr`` node reads; return their names.
+
+    Submodules left without anything the graph uses are deleted too.
+    """
+    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    used |= {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+
+    def is_used(name: str) -> bool:
+        return name in used or any(u.startswith(name + ".") for u in used)
+
+    dropped = []
+    for owner_name, owner in list(gm.named_modules()):
+        prefix = owner_name + "." if owner_name else ""
+        for attr in list(owner._parameters) + list(owner._buffers):
+            if not is_used(prefix + attr):
+                owner._parameters.pop(attr, None)
+                owner._buffers.pop(attr, None)
+                dropped.append(prefix + attr)
+        for attr, value in list(vars(owner).items()):
+            if isinstance(value, torch.Tensor) and not is_used(prefix + attr):
+                delattr(owner, attr)
+                dropped.append(prefix + attr)
+    gm.delete_all_unused_submodules()
+    return dropped
+
+
 # --------------------------------------------------------------------------- the engine
 
 class Pt2eEngine(QuantEngine):
@@ -453,6 +500,9 @@ class Pt2eEngine(QuantEngine):
     ``torch.compile`` (inductor, ``torch._inductor.config.freezing = True``) for int8 kernels.
 
     ``spec.options``: ``dynamic_batch`` (default ``True``: dim 0 of the inputs is a ``torch.export.Dim``),
+    ``dynamic_dims`` (default ``[]``: further input dims exported as dynamic, e.g. ``[1]`` for a sequence),
+    ``quantize_embeddings`` (default ``False``: also store ``aten.embedding`` tables as uint8 rows, torchao's
+    ``EmbeddingQuantizer`` composed before the x86 quantizer; weight-only, observed on the final weights),
     ``fold_quantize`` (default ``True``, passed to ``convert_pt2e``), ``fast_fold`` (default
     ``True``: the conv-bn fuse/fold described in the module docstring; ``False`` runs torchao's own).
 
@@ -558,19 +608,31 @@ class Pt2eEngine(QuantEngine):
 
     def quantizer(self, spec: QuantSpec) -> Any:
         if isinstance(spec.qconfig_mapping, self.ao.Quantizer):
-            return spec.qconfig_mapping
-        quantizer = self.ao.X86InductorQuantizer()
-        quantizer.set_global(self.ao.get_default_x86_inductor_quantization_config(is_qat=spec.is_qat))
+            quantizer = spec.qconfig_mapping
+        else:
+            quantizer = self.ao.X86InductorQuantizer()
+            quantizer.set_global(self.ao.get_default_x86_inductor_quantization_config(is_qat=spec.is_qat))
+        if spec.options.get("quantize_embeddings", False):
+            # weight-only uint8 rows (per-row float scale and offset) for aten.embedding, which
+            # X86InductorQuantizer leaves float; a language model's embedding tables are often half its size
+            from torchao.quantization.pt2e.quantizer.composable_quantizer import ComposableQuantizer
+            from torchao.quantization.pt2e.quantizer.embedding_quantizer import EmbeddingQuantizer
+
+            quantizer = ComposableQuantizer([EmbeddingQuantizer(), quantizer])
         return quantizer
 
     # ------------------------------------------------------------------ prepare
 
     @staticmethod
-    def export_inputs(module: nn.Module, inputs: Inputs, dynamic_batch: bool = True) -> tuple[tuple, dict, Any]:
+    def export_inputs(
+        module: nn.Module, inputs: Inputs, dynamic_batch: bool = True, dynamic_dims: Sequence[int] = ()
+    ) -> tuple[tuple, dict, Any]:
         """Example args/kwargs for ``torch.export`` and a ``dynamic_shapes`` marking dim 0 as the batch.
 
         The batch size is dim 0 of the first tensor input; every tensor input with that dim 0 shares
-        one ``Dim``. A batch of 1 is repeated to 2: export specializes sizes 0 and 1.
+        one ``Dim``. A batch of 1 is repeated to 2: export specializes sizes 0 and 1. ``dynamic_dims``
+        lists further dims of those inputs (e.g. ``[1]``, the sequence length of token ids and their
+        attention mask) that are exported as ``Dim.AUTO`` (dynamic unless the model forces a size).
         """
         from torch.utils._pytree import tree_flatten, tree_map
 
@@ -593,7 +655,9 @@ class Pt2eEngine(QuantEngine):
         dim = torch.export.Dim("batch")
 
         def spec_of(v: Any) -> Any:
-            return {0: dim} if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size else None
+            if not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size):
+                return None
+            return {0: dim, **{d: torch.export.Dim.AUTO for d in dynamic_dims if 0 < d < v.dim()}}
 
         try:
             bound = inspect.signature(module.forward).bind(*args, **kwargs)
@@ -611,7 +675,9 @@ class Pt2eEngine(QuantEngine):
         self.check_spec(spec)
         quantizer = self.quantizer(spec)
         module.train(spec.is_qat)
-        args, kwargs, dynamic = self.export_inputs(module, inputs, spec.options.get("dynamic_batch", True))
+        args, kwargs, dynamic = self.export_inputs(
+            module, inputs, spec.options.get("dynamic_batch", True), tuple(spec.options.get("dynamic_dims", ()))
+        )
         try:
             exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic)
         except Exception as exc:  # torch.export raises many kinds (UserError, Unsupported, TypeError, ...)
@@ -621,6 +687,7 @@ class Pt2eEngine(QuantEngine):
                 "set engine_options dynamic_batch=false; or try quant.engine=fx."
             ) from exc
         graph = exported.module()
+        _eliminate_dead_code(graph)
         prepare = self.ao.prepare_qat_pt2e if spec.is_qat else self.ao.prepare_pt2e
         try:
             with self._patched("_fuse_conv_bn_qat", _fast_fuse_conv_bn_qat, spec.options.get("fast_fold", True)):
@@ -690,11 +757,33 @@ class Pt2eEngine(QuantEngine):
         finally:
             setattr(target, name, original)
 
+    def _observe_final_weights(self, gm: torch.fx.GraphModule) -> None:
+        """Let every plain observer of a parameter (weight-only quantization, e.g. embeddings) see its final value.
+
+        A QAT weight goes through a fake-quant whose qparams follow the weight; a plain observer
+        (torchao's EmbeddingQuantizer) stopped observing when the observers froze, while the weight
+        kept training: its range would clamp the converted weight.
+        """
+        for node in gm.graph.nodes:
+            if node.op != "call_module" or not node.args or getattr(node.args[0], "op", None) != "get_attr":
+                continue
+            observer = gm.get_submodule(str(node.target))
+            if isinstance(observer, self.ao.fake_quant_types) or not isinstance(observer, self.ao.observer_types):
+                continue
+            weight: Any = gm
+            for part in str(node.args[0].target).split("."):
+                weight = getattr(weight, part)
+            if hasattr(observer, "reset_min_max_vals"):
+                observer.reset_min_max_vals()
+            with torch.no_grad():
+                type(observer).forward(observer, weight.detach())
+
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
         self.check_spec(spec)
         if not isinstance(module, torch.fx.GraphModule):
             raise TypeError(f"Pt2eEngine.convert expects the module returned by prepare, got {type(module).__name__}")
         self.set_observers(module, False)
+        self._observe_final_weights(module)
         module.eval()  # dropout off, BatchNorm on running statistics: the patterns the fold matches
         for node in list(module.graph.nodes):
             if _is_bn_counter(node) and not node.users:
@@ -702,6 +791,11 @@ class Pt2eEngine(QuantEngine):
         module.recompile()
         with self._patched("_fold_conv_bn_qat", _fast_fold_conv_bn_qat, spec.options.get("fast_fold", True)):
             converted = self.ao.convert_pt2e(module, fold_quantize=spec.options.get("fold_quantize", True))
+        # convert_pt2e folds each weight's quantize into an int8 ``_frozen_param`` but leaves the fp32
+        # weight (and the folded BatchNorm's parameters and statistics) attached: drop what the graph
+        # no longer reads, so the state dict and every saved program hold the int8 weights only
+        _eliminate_dead_code(converted)
+        _drop_unused_attributes(converted)
         return _install_train_eval(converted, training=False)
 
     # ------------------------------------------------------------------ state

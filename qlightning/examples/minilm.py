@@ -429,3 +429,18 @@ MINILM_SPLIT = dict(outlier_input_channels=4, outlier_output_rows=3)
 # Without touching the model: the FFN down projections (`layer.N.output`) simply stay float.
 INT8_BLOCKS = TRACEABLE_BLOCKS[:-1]
 MINILM_QAT_NO_FFN_OUT: dict[str, Any] = dict(MINILM_QAT, modules=list(INT8_BLOCKS), qconfig_mapping=LINEAR_ONLY_QCONFIG)
+
+# PT2E (torch.export + torchao's X86InductorQuantizer): the whole encoder exports, so it is one target, and
+# every Linear (q/k/v, attention output, FFN in and out, pooler) becomes int8 with the quantizer's defaults
+# (per-channel symmetric weights, full-range uint8 activations); LayerNorm, GELU and softmax compute in float.
+# The embedding tables (half of the model's parameters) are stored as uint8 rows (weight-only,
+# ``quantize_embeddings``), so the saved int8 program is ~1/4 of the float model. The sequence length
+# (dim 1 of input_ids and attention_mask) is exported dynamic beside the batch.
+MINILM_PT2E_QAT: dict[str, Any] = dict(
+    modules=["encoder"],
+    engine="pt2e",
+    backend="x86",
+    fake_quant_start=None,
+    observer_freeze={"step": 6},
+    engine_options={"dynamic_dims": [1], "quantize_embeddings": True},
+)
