@@ -118,10 +118,23 @@ def quiet_export() -> Iterator[None]:
 
 
 def positional_args(module: nn.Module, inputs: Inputs) -> tuple[Any, ...]:
-    """Keyword inputs bound to their positions (exported programs and ONNX take positional inputs)."""
+    """Keyword inputs bound to their positions (exported programs and ONNX take positional inputs).
+
+    Bound against the engine's module behind a lowering wrapper (whose ``forward(*args, **kwargs)``
+    would swallow the keywords into one dict).
+    """
     if not inputs.kwargs:
         return tuple(inputs.args)
-    bound = inspect.signature(module.forward).bind_partial(*inputs.args, **inputs.kwargs)
+    from qlightning.lowering import source_of
+
+    signature = inspect.signature(source_of(module).forward)
+    bound = signature.bind_partial(*inputs.args, **inputs.kwargs)
+    variadic = [p.name for p in signature.parameters.values() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if any(name in bound.arguments for name in variadic):
+        raise TypeError(
+            f"cannot bind keyword inputs {sorted(inputs.kwargs)} to positions: {type(source_of(module)).__name__}.forward"
+            f"{signature} takes them as *args/**kwargs"
+        )
     return tuple(bound.arguments.values())
 
 

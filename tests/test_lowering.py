@@ -325,3 +325,26 @@ def test_inductor_candidate_is_faithful(trained_digits):
     module = choice.module if choice.name == "inductor" else None
     if module is not None:
         assert isinstance(module, InductorModule)
+
+
+def test_keyword_inputs_bind_to_positions_through_a_lowering_wrapper():
+    """The report and parity gate call every runtime with positional inputs; a submodule called with
+    keywords (``encoder(input_ids=..., attention_mask=...)``) must bind through the wrapper to the
+    engine's module, not into the wrapper's ``**kwargs``."""
+    from qlightning.engines.base import Inputs
+    from qlightning.export import positional_args
+    from qlightning.lowering import _attach_source
+
+    class Encoder(nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids
+
+    class Wrapper(nn.Module):
+        def forward(self, *args, **kwargs):
+            return args
+
+    ids, mask = torch.ones(2, 3), torch.zeros(2, 3)
+    bound = positional_args(_attach_source(Wrapper(), Encoder()), Inputs((), {"attention_mask": mask, "input_ids": ids}))
+    assert len(bound) == 2 and bound[0] is ids and bound[1] is mask
+    with pytest.raises(TypeError, match="cannot bind keyword inputs"):
+        positional_args(Wrapper(), Inputs((), {"input_ids": ids}))

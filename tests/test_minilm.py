@@ -105,10 +105,11 @@ def test_int8_encoder_runs_on_held_out_sentences_and_reports_its_speed(trained):
     assert len(times["int8"]) == len(times["float"]) > 0 and all(t > 0 for t in times["int8"])
 
 
-def test_minilm_recipe_validates():
+@pytest.mark.parametrize("recipe", ["minilm_qat", "minilm_pt2e"])
+def test_minilm_recipe_validates(recipe):
     from qlightning.cli.recipes import validate
 
-    assert validate("minilm_qat") == []
+    assert validate(recipe) == []
 
 
 @pytest.fixture(scope="module")
