@@ -242,3 +242,28 @@ def test_ddp_int8_accuracy_matches_one_process_with_the_same_global_batch(runs):
     print(f"int8 accuracy: 2 processes x batch {BATCH_SIZE} {two['int8_accuracy']:.4f}, "
           f"1 process x batch {2 * BATCH_SIZE} {one['int8_accuracy']:.4f}")
     assert abs(two["int8_accuracy"] - one["int8_accuracy"]) <= 0.005
+
+
+def test_torchrun_runs_the_cli_job_on_two_processes(tmp_path):
+    """README "Multi-node": torchrun starts the ranks, Lightning's ddp strategy joins them (no re-launch)."""
+    import json
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "qlightning.cli", "train",
+        "trainer.strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.max_epochs=2",
+        "quant.schedule.fake_quant_start.epoch=1", f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output  # two ranks trained
+    # rank 0 alone wrote the report, the int8 model and the checkpoints, into the run directory
+    report = json.loads((run_dir / "report.json").read_text())
+    assert set(report["metrics"]) >= {"fp32", "fake_quant", "int8"}
+    assert abs(report["metrics"]["int8"]["accuracy"] - report["metrics"]["fake_quant"]["accuracy"]) <= 0.02
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    int8 = torch.jit.load(str(run_dir / "int8_net.pt"))
+    assert int8(torch.rand(4, 1, 8, 8)).shape == (4, 10)
