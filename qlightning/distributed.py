@@ -147,3 +147,23 @@ def local_metrics(module: nn.Module) -> Iterator[None]:
     finally:
         for m, (sync_on_compute, to_sync) in zip(metrics, saved):
             m.sync_on_compute, m._to_sync = sync_on_compute, to_sync
+
+
+def _reduce_whole(module: nn.Module) -> Any:
+    return loads_modules, (dumps_modules(module),)
+
+
+def pickle_whole_for_new_processes(module: nn.Module) -> None:
+    """Let ``multiprocessing`` send ``module`` (an FX int8 GraphModule) to new processes intact.
+
+    A spawn strategy pickles the trainer and model for every process it starts (also for a
+    ``validate``/``test``/``predict`` after a spawn ``fit``, when the model holds int8 modules) with
+    ``multiprocessing``'s ``ForkingPickler``, which fails on these modules twice: the quantized conv
+    pickling bug above, and then, sharing their tensors through file descriptors, ``bad value(s) in
+    fds_to_keep`` / ``unable to resize file`` (measured). ``ForkingPickler.register`` (exact types;
+    the extension point torch uses for tensors) of the module's own class (each GraphModule
+    instance has its own) sends it as :func:`dumps_modules` bytes instead: no other object changes.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    ForkingPickler.register(type(module), _reduce_whole)

@@ -150,6 +150,8 @@ def main() -> None:
                 "accuracy": accuracy(model.net),
                 "fake_quant": qat.fake_quant_modules["net"].state_dict() if "net" in qat.fake_quant_modules else None,
                 "fake_quant_accuracy": accuracy(qat.fake_quant_modules["net"]) if "net" in qat.fake_quant_modules else None,
+                # the same Trainer starts new processes with the main process's (int8) model
+                "test_accuracy": trainer.test(model, datamodule=dm, verbose=False)[0]["test/accuracy"],
             },
             args.outdir / "final_main.pt",
         )

@@ -18,7 +18,14 @@ from torch.nn.utils import prune
 from typing_extensions import override
 
 from qlightning.capture import example_inputs_for, resolve_targets
-from qlightning.distributed import broadcast_buffers, broadcast_object, dumps_modules, is_distributed, loads_modules
+from qlightning.distributed import (
+    broadcast_buffers,
+    broadcast_object,
+    dumps_modules,
+    is_distributed,
+    loads_modules,
+    pickle_whole_for_new_processes,
+)
 from qlightning.engines import BACKENDS, ENGINES, Inputs, QuantEngine, QuantSpec, get_engine
 from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError
 from qlightning.schedule import MilestoneLike, Phase, Schedule
@@ -774,7 +781,22 @@ class QuantizationAwareTraining(Callback):
         self.ptq_modules = {name: loads_modules(b) for name, b in data["ptq_modules"].items()}
         self.prepared = True
         self.converted = data["converted"]
+        # the same Trainer may validate/test/predict next, spawning processes that receive this model
+        for name in self.targets:
+            for module in {id(m): m for m in (pl_module.get_submodule(name), self.int8_modules.get(name)) if m is not None}.values():
+                if isinstance(module, torch.fx.GraphModule):
+                    pickle_whole_for_new_processes(module)
         return data["state_keys"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled copies (the processes a spawn strategy starts for a validate/test/predict after a
+        # spawn fit) carry the model's state but not the fake-quant copies kept for reports and
+        # lowering: FX-prepared modules do not pickle, and those processes never use them.
+        state = self.__dict__.copy()
+        engine = self._engine_arg if isinstance(self._engine_arg, str) else getattr(self._engine_arg, "name", None)
+        if engine == "fx":
+            state["fake_quant_modules"] = {}
+        return state
 
     def _lower(self, pl_module: "pl.LightningModule", name: str, int8: nn.Module) -> nn.Module:
         """``lowering=auto|onnxruntime|inductor``: the fastest faithful runtime for ``name`` (else ``int8``)."""
