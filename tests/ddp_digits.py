@@ -17,7 +17,7 @@ Usage::
 
     python tests/ddp_digits.py OUTDIR [--strategy ddp|ddp_spawn|ddp_fork] [--devices N] [--epochs N]
         [--no-sync] [--checkpoint] [--resume CKPT] [--no-broadcast-buffers] [--no-val] [--batch-size N]
-        [--lowering fx|onnxruntime|...]
+        [--lowering fx|onnxruntime|...] [--engine fx|pt2e]
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--devices", type=int, default=2, help="1: one process, no distributed strategy")
     parser.add_argument("--lowering", default="fx")
+    parser.add_argument("--engine", default="fx")
     args = parser.parse_args()
     args.outdir.mkdir(parents=True, exist_ok=True)
 
@@ -88,7 +89,7 @@ def main() -> None:
     model = DigitsClassifier()
     qat = QuantizationAwareTraining(
         modules=["net"], fake_quant_start={"epoch": 1}, observer_freeze={"epoch": 3}, bn_freeze={"epoch": 3},
-        lowering=args.lowering,
+        lowering=args.lowering, engine=args.engine,
     )
     convert_calls = []  # how many times this process's engine converted (rank 0 only under DDP)
     engine_convert = qat.engine.convert

@@ -614,7 +614,6 @@ class QuantizationAwareTraining(Callback):
         if "error" in message:
             raise QLightningError(f"QuantizationAwareTraining: rank 0 failed to convert to int8: {message['error']}")
         self._receive_conversion(pl_module, message)
-        rank_zero_info(f"[qlightning] every rank holds rank 0's int8 {self.targets}")
 
     def _conversion_message(self, pl_module: "pl.LightningModule") -> dict[str, Any]:
         message: dict[str, Any] = {"int8": {}, "int8_state": {}, "lowered": {}, "lowering_choices": self.lowering_choices}
