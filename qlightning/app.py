@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import time
 import warnings
 from pathlib import Path
@@ -20,7 +21,8 @@ from qlightning.engines import Inputs
 from qlightning.config.build import instantiate_checked
 from qlightning.config.validate import validate_config
 from qlightning.lowering import source_of
-from qlightning.errors import ConfigError
+from qlightning.distributed import broadcast_object, local_metrics
+from qlightning.errors import ConfigError, QLightningError
 
 
 def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -82,39 +84,63 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
 
     result: dict[str, Any] = {"run_dir": str(run_dir), "provenance": provenance or {}}
-    if callback.converted and trainer.is_global_zero:
-        result["int8_models"] = {}
-        for name in callback.targets:
-            path = run_dir / f"int8_{name}.pt"
-            problem = save_int8(source_of(model.get_submodule(name)), path, callback.inputs[name])
-            result["int8_models"][name] = str(path) if problem is None else f"not saved: {problem}"
-        if cfg.report.enabled:
-
-            def eval_trainer() -> pl.Trainer:
-                return evaluation_trainer(cfg.trainer.limit_test_batches)
-
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-                result.update(
-                    reporting.build_report(
-                        callback,
-                        model,
-                        datamodule,
-                        eval_trainer,
-                        batch_size=cfg.report.latency_batch_size,
-                        repeats=cfg.report.latency_repeats,
-                        threads=cfg.report.latency_threads,
-                    )
-                )
-        from qlightning.artifacts import finalize_run
-
-        result.update(finalize_run(callback, model, datamodule, cfg, run_dir, result))
+    # Exports, the report and the parity gate run once, on global rank 0, while the other ranks wait
+    # for rank 0's outcome (through the strategy's broadcast, so they cannot leave early or hang).
+    outcome: Optional[dict[str, Any]] = None
+    if trainer.is_global_zero:
+        try:
+            with local_metrics(model):  # rank 0 alone evaluates: no all_gather towards the waiting ranks
+                outcome = {"result": _export_and_report(cfg, callback, model, datamodule, run_dir, result)}
+        except BaseException as exc:
+            broadcast_object(trainer, {"error": f"{type(exc).__name__}: {exc}"})
+            raise
+    outcome = broadcast_object(trainer, outcome)
+    if "error" in outcome:
+        raise QLightningError(f"rank 0 failed after training: {outcome['error']}")
+    result = outcome["result"]
     result["checkpoint"] = ckpt.last_model_path or ckpt.best_model_path
     result["wall_s"] = round(time.perf_counter() - start, 2)
-    if "metrics" in result:
-        reporting.write(result, run_dir)
-        reporting.print_table(result)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    if provenance:
-        (run_dir / "provenance.json").write_text(json.dumps(provenance, indent=2))
+    if trainer.is_global_zero:  # every rank returns the same result; one writes it
+        if "metrics" in result:
+            reporting.write(result, run_dir)
+            reporting.print_table(result)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        if provenance:
+            (run_dir / "provenance.json").write_text(json.dumps(provenance, indent=2))
+    return result
+
+
+def _export_and_report(
+    cfg: DictConfig, callback: Any, model: pl.LightningModule, datamodule: Any, run_dir: Path, result: dict[str, Any]
+) -> dict[str, Any]:
+    """Global rank 0: the TorchScript int8 models, the report and the run's artifacts (exports, parity gate)."""
+    if not callback.converted:
+        return result
+    result["int8_models"] = {}
+    for name in callback.targets:
+        path = run_dir / f"int8_{name}.pt"
+        problem = save_int8(source_of(model.get_submodule(name)), path, callback.inputs[name])
+        result["int8_models"][name] = str(path) if problem is None else f"not saved: {problem}"
+    if cfg.report.enabled:
+
+        def eval_trainer() -> pl.Trainer:
+            return evaluation_trainer(cfg.trainer.limit_test_batches)
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            result.update(
+                reporting.build_report(
+                    callback,
+                    model,
+                    datamodule,
+                    eval_trainer,
+                    batch_size=cfg.report.latency_batch_size,
+                    repeats=cfg.report.latency_repeats,
+                    threads=cfg.report.latency_threads,
+                )
+            )
+    from qlightning.artifacts import finalize_run
+
+    result.update(finalize_run(callback, model, datamodule, cfg, run_dir, result))
+    pickle.dumps(result)  # it goes to the other ranks: fail here (and tell them) rather than in the broadcast
     return result

@@ -8,13 +8,16 @@ than a test function. Every rank writes what it holds to OUTDIR:
 * ``val{E}_rank{R}.pt``: the state_dict of the prepared ``net`` after the first validation batch of
   epoch E (the model that validation measures);
 * ``final_rank{R}.pt``: after fit, the converted int8 ``net`` state_dict, the fake-quant copy's
-  state_dict, the int8 and fake-quant accuracies on the whole test split and ``trainer.test``'s
-  accuracy (``ddp`` only; with ``ddp_spawn`` the main process writes ``final_main.pt``).
+  state_dict, the int8 and fake-quant accuracies on the whole test split, ``trainer.test``'s
+  accuracy, how many times this rank's engine converted, and the lowering choice (``ddp`` or one
+  process; with ``ddp_spawn``/``ddp_fork`` the main process writes ``final_main.pt`` with the same
+  model entries and the callback's state).
 
 Usage::
 
-    python tests/ddp_digits.py OUTDIR [--strategy ddp|ddp_spawn] [--epochs N] [--no-sync]
-        [--checkpoint] [--resume CKPT] [--no-broadcast-buffers] [--no-val] [--batch-size N]
+    python tests/ddp_digits.py OUTDIR [--strategy ddp|ddp_spawn|ddp_fork] [--devices N] [--epochs N]
+        [--no-sync] [--checkpoint] [--resume CKPT] [--no-broadcast-buffers] [--no-val] [--batch-size N]
+        [--lowering fx|onnxruntime|...] [--engine fx|pt2e]
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ def main() -> None:
     parser.add_argument("--no-broadcast-buffers", action="store_true", help="DDP without its buffer broadcast")
     parser.add_argument("--no-val", action="store_true", help="no validation loop")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--devices", type=int, default=2, help="1: one process, no distributed strategy")
+    parser.add_argument("--lowering", default="fx")
+    parser.add_argument("--engine", default="fx")
     args = parser.parse_args()
     args.outdir.mkdir(parents=True, exist_ok=True)
 
@@ -82,8 +88,18 @@ def main() -> None:
     dm = DigitsDataModule(batch_size=args.batch_size, seed=0)
     model = DigitsClassifier()
     qat = QuantizationAwareTraining(
-        modules=["net"], fake_quant_start={"epoch": 1}, observer_freeze={"epoch": 3}, bn_freeze={"epoch": 3}
+        modules=["net"], fake_quant_start={"epoch": 1}, observer_freeze={"epoch": 3}, bn_freeze={"epoch": 3},
+        lowering=args.lowering, engine=args.engine,
     )
+    convert_calls = []  # how many times this process's engine converted (rank 0 only under DDP)
+    engine_convert = qat.engine.convert
+    if args.strategy == "ddp":
+
+        def counting_convert(*a, **k):
+            convert_calls.append(1)
+            return engine_convert(*a, **k)
+
+        qat.engine.convert = counting_convert
     callbacks: list[Callback] = [qat]
     if args.strategy == "ddp":  # ddp_spawn pickles the callbacks into each process: keep them simple
         callbacks.append(Probe(args.outdir))
@@ -99,8 +115,8 @@ def main() -> None:
         strategy = DDPStrategy(start_method="spawn" if strategy == "ddp_spawn" else "popen", **{key: False})
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
-        strategy=strategy,
+        devices=args.devices,
+        strategy=strategy if args.devices > 1 else "auto",
         max_epochs=args.epochs,
         limit_val_batches=0 if args.no_val else 2,
         num_sanity_val_steps=0,
@@ -119,15 +135,34 @@ def main() -> None:
         with torch.no_grad():
             return (net.eval()(x).argmax(1) == y).float().mean().item()
 
-    if args.strategy != "ddp":
-        # ddp_spawn: this is the main process again, its model updated from rank 0's final state_dict
+    if args.strategy != "ddp" and args.devices > 1:
+        # ddp_spawn/ddp_fork: this is the main process again, its model updated from rank 0's final state_dict
         torch.save(
-            {"converted": qat.converted, "net": model.net.state_dict(), "accuracy": accuracy(model.net)},
+            {
+                "converted": qat.converted,
+                "prepared": qat.prepared,
+                "targets": qat.targets,
+                "phase": None if qat.phase is None else vars(qat.phase),
+                "int8_modules": sorted(qat.int8_modules),
+                "int8_is_in_model": qat.int8_modules.get("net") is model.net,
+                "lowering_choices": {k: v["name"] for k, v in qat.lowering_choices.items()},
+                "provenance": qat.provenance,
+                "net": model.net.state_dict(),
+                "accuracy": accuracy(model.net),
+                "fake_quant": qat.fake_quant_modules["net"].state_dict() if "net" in qat.fake_quant_modules else None,
+                "fake_quant_accuracy": accuracy(qat.fake_quant_modules["net"]) if "net" in qat.fake_quant_modules else None,
+                # the same Trainer starts new processes with the main process's (int8) model
+                "test_accuracy": trainer.test(model, datamodule=dm, verbose=False)[0]["test/accuracy"],
+            },
             args.outdir / "final_main.pt",
         )
         return
     result = {
         "converted": qat.converted,
+        "convert_calls": len(convert_calls),
+        "lowering_choices": {k: v["name"] for k, v in qat.lowering_choices.items()},
+        "phase": None if qat.phase is None else vars(qat.phase),
+        "engine_int8": qat.int8_modules["net"].state_dict(),
         "world_size": trainer.world_size,
         "int8": model.net.state_dict(),
         "fake_quant": qat.fake_quant_modules["net"].state_dict(),

@@ -18,6 +18,7 @@ a checkpoint or the conversion; the first case is where disabling it must show.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -40,6 +41,7 @@ pytestmark = [
 
 SCRIPT = Path(__file__).with_name("ddp_digits.py")
 EPOCHS = 4
+BATCH_SIZE = 16  # per process, ddp_digits.py's default
 RUN_TIMEOUT_S = 300
 # a launcher's variables in our environment would make the script join that job instead of starting its own
 DIST_ENV = ("LOCAL_RANK", "GLOBAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -94,6 +96,9 @@ def runs(tmp_path_factory) -> dict[str, Run]:
     def lane_a() -> None:
         results["ddp"] = run_script(root / "ddp", "--checkpoint")
         results["nobb_nosync"] = run_script(root / "nobb_nosync", "--checkpoint", "--no-broadcast-buffers", "--no-sync")
+        # one process with the global batch size of the 2-process runs (2 x 16)
+        results["single"] = run_script(root / "single", "--devices", "1", "--batch-size", str(2 * BATCH_SIZE))
+        results["lowering"] = run_script(root / "lowering", "--epochs", "2", "--lowering", "onnxruntime")
 
     def lane_b() -> None:
         nobb = results["nobb"] = run_script(root / "nobb", "--checkpoint", "--no-broadcast-buffers")
@@ -102,7 +107,11 @@ def runs(tmp_path_factory) -> dict[str, Run]:
             results["nobb_resumed"] = run_script(root / "nobb_resumed", "--no-broadcast-buffers", "--resume", str(ckpt))
         else:
             results["nobb_resumed"] = Run(root / "nobb_resumed", None, f"not run: {ckpt} missing")
-        results["spawn"] = run_script(root / "spawn", "--strategy", "ddp_spawn", "--epochs", "2")
+        # the "ddp" run's arguments: the main process must end with that run's int8 model
+        results["spawn"] = run_script(root / "spawn", "--strategy", "ddp_spawn", "--checkpoint")
+        results["fork"] = run_script(root / "fork", "--strategy", "ddp_fork", "--checkpoint")
+        if importlib.util.find_spec("torchao") is not None:
+            results["pt2e"] = run_script(root / "pt2e", "--engine", "pt2e", "--epochs", "2")
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         for future in [pool.submit(lane_a), pool.submit(lane_b)]:
@@ -142,12 +151,14 @@ def test_every_rank_converts_the_same_int8_and_fake_quant_model(runs, name):
     assert differing(rank0["fake_quant"], rank1["fake_quant"]) == []
 
 
-def test_without_the_sync_ranks_convert_different_models(runs):
+def test_without_the_sync_only_rank_zero_conversion_keeps_the_ranks_equal(runs):
     run = runs["nobb_nosync"].check()
     rank0, rank1 = run.final(0), run.final(1)
-    # measured: 10 of 18 int8 entries and 33 of 104 fake-quant entries differ
-    assert differing(rank0["int8"], rank1["int8"]), "the sync should be what makes the ranks agree"
-    assert differing(rank0["fake_quant"], rank1["fake_quant"])
+    # rank 1's own fake-quant model drifted (measured: 33 of 104 entries differ; before rank 0
+    # converted for everyone, 10 of 18 int8 entries differed too) ...
+    assert differing(rank0["fake_quant"], rank1["fake_quant"]), "the sync should be what makes the ranks agree"
+    # ... but the int8 model every rank ends with is rank 0's
+    assert differing(rank0["int8"], rank1["int8"]) == []
 
 
 @BROADCAST
@@ -193,14 +204,82 @@ def test_validation_measures_one_model_on_every_rank(runs, name):
         assert differing(rank0, rank1) == [], f"epoch {epoch}"
 
 
-def test_ddp_spawn_returns_the_int8_model_or_refuses_clearly(runs):
-    run = runs["spawn"]
-    if run.returncode == 0:
-        final = run.load("final_main.pt")
-        assert final["converted"], "the main process's callback never converted"
-        assert any(isinstance(v, torch.Tensor) and v.is_quantized for v in final["net"].values())
-        assert final["accuracy"] > 0.9
-    else:  # a clear refusal that points to strategy="ddp"
-        for symptom in ("cannot pickle", "Copying from quantized Tensor"):
-            assert symptom not in run.output, run.output[-3000:]
-        assert "ddp_spawn" in run.output and "strategy='ddp'" in run.output, run.output[-3000:]
+@pytest.mark.parametrize("name", ["spawn", "fork"], ids=["ddp_spawn", "ddp_fork"])
+def test_spawn_strategies_give_the_main_process_the_int8_model_of_the_same_ddp_run(runs, name):
+    spawn, ddp = runs[name].check(), runs["ddp"].check()
+    main, rank0 = spawn.load("final_main.pt"), ddp.final(0)
+    # the main process's own callback, not only its model, holds the result
+    assert main["converted"] and main["prepared"] and main["targets"] == ["net"] and main["int8_modules"] == ["net"]
+    assert main["int8_is_in_model"] and main["phase"] == rank0["phase"]
+    assert any(isinstance(v, torch.Tensor) and v.is_quantized for v in main["net"].values())
+    # same seed, data, schedule: ddp_spawn trains exactly what ddp trains (measured: 0 of 18 entries differ)
+    assert differing(main["net"], rank0["int8"]) == []
+    assert differing(main["fake_quant"], rank0["fake_quant"]) == []
+    assert abs(main["accuracy"] - rank0["int8_accuracy"]) <= 0.005, (main["accuracy"], rank0["int8_accuracy"])
+    assert main["fake_quant_accuracy"] == rank0["fake_quant_accuracy"]
+    assert main["test_accuracy"] > 0.95  # trainer.test on the same spawn/fork Trainer runs the int8 model
+
+
+@BROADCAST
+def test_rank_zero_converts_and_the_other_rank_receives_its_int8_model(runs, name):
+    run = runs[name].check()
+    rank0, rank1 = run.final(0), run.final(1)
+    assert (rank0["convert_calls"], rank1["convert_calls"]) == (1, 0)
+    assert differing(rank0["engine_int8"], rank1["engine_int8"]) == []
+
+
+def test_rank_zero_chooses_the_runtime_and_every_rank_runs_the_same_one(runs):
+    run = runs["lowering"].check()
+    rank0, rank1 = run.final(0), run.final(1)
+    assert (rank0["convert_calls"], rank1["convert_calls"]) == (1, 0)
+    assert rank0["lowering_choices"] == rank1["lowering_choices"] and set(rank0["lowering_choices"]) == {"net"}
+    assert rank0["lowering_choices"]["net"] in ("fx", "onnxruntime")
+    # what runs in place of net (an onnxruntime module's serialized model, or the int8 tensors) is the same
+    assert differing(rank0["int8"], rank1["int8"]) == []
+    assert rank0["int8_accuracy"] == rank1["int8_accuracy"] > 0.9
+
+
+def test_pt2e_ranks_end_with_rank_zeros_int8_values(runs):
+    if "pt2e" not in runs:
+        pytest.skip("needs torchao")
+    run = runs["pt2e"].check()
+    rank0, rank1 = run.final(0), run.final(1)
+    # PT2E's exported modules do not pickle: rank 1 converts its own (synced) copy, then loads
+    # rank 0's int8 state_dict strictly (measured: rank 1 converts once too, 0 of 20 entries differ)
+    assert rank0["convert_calls"] == 1
+    assert differing(rank0["int8"], rank1["int8"]) == []
+    assert rank0["int8_accuracy"] == rank1["int8_accuracy"] > 0.9
+
+
+def test_ddp_int8_accuracy_matches_one_process_with_the_same_global_batch(runs):
+    ddp, single = runs["ddp"].check(), runs["single"].check()
+    two, one = ddp.final(0), single.final(0)
+    assert (two["world_size"], one["world_size"]) == (2, 1)
+    print(f"int8 accuracy: 2 processes x batch {BATCH_SIZE} {two['int8_accuracy']:.4f}, "
+          f"1 process x batch {2 * BATCH_SIZE} {one['int8_accuracy']:.4f}")
+    assert abs(two["int8_accuracy"] - one["int8_accuracy"]) <= 0.005
+
+
+def test_torchrun_runs_the_cli_job_on_two_processes(tmp_path):
+    """README "Multi-node": torchrun starts the ranks, Lightning's ddp strategy joins them (no re-launch)."""
+    import json
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "qlightning.cli", "train",
+        "trainer.strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.max_epochs=2",
+        "quant.schedule.fake_quant_start.epoch=1", f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output  # two ranks trained
+    # rank 0 alone wrote the report, the int8 model and the checkpoints, into the run directory
+    report = json.loads((run_dir / "report.json").read_text())
+    assert set(report["metrics"]) >= {"fp32", "fake_quant", "int8"}
+    assert abs(report["metrics"]["int8"]["accuracy"] - report["metrics"]["fake_quant"]["accuracy"]) <= 0.02
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    int8 = torch.jit.load(str(run_dir / "int8_net.pt"))
+    assert int8(torch.rand(4, 1, 8, 8)).shape == (4, 10)

@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import copy
+import io
+import os
+import shutil
+import tempfile
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelPruning
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.utils import prune
 from typing_extensions import override
 
 from qlightning.capture import example_inputs_for, resolve_targets
-from qlightning.distributed import broadcast_buffers
+from qlightning.distributed import (
+    broadcast_buffers,
+    broadcast_object,
+    dumps_modules,
+    is_distributed,
+    loads_modules,
+    pickle_whole_for_new_processes,
+)
 from qlightning.engines import BACKENDS, ENGINES, Inputs, QuantEngine, QuantSpec, check_engine_options, get_engine
 from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError
 from qlightning.schedule import MilestoneLike, Phase, Schedule
@@ -216,6 +227,7 @@ class QuantizationAwareTraining(Callback):
                 pass  # raised again in setup, where the engine is needed
         if errors:
             raise ConfigError(errors)
+        _install_main_process_recovery()  # ddp_spawn/ddp_fork: see the function
         self.example_inputs = {k: _as_inputs(v) for k, v in (example_inputs or {}).items()}
         self.observe_stages = tuple(observe_stages)
         self.convert_on_fit_end = convert_on_fit_end
@@ -269,12 +281,14 @@ class QuantizationAwareTraining(Callback):
             )
         if self.prepared:
             return
-        if stage == "fit" and getattr(trainer.strategy, "_start_method", None) in ("spawn", "fork", "forkserver"):
+        start_method = _spawn_start_method(trainer)
+        if stage == "fit" and start_method is not None and self.engine.name != "fx":
+            names = {"spawn": "'ddp_spawn'", "fork": "'ddp_fork' / 'ddp_notebook'"}.get(start_method, start_method)
             raise ConfigError(
-                f"strategy: QuantizationAwareTraining does not support spawn-based strategies (ddp_spawn, ddp_fork, "
-                f"ddp_notebook; this one starts processes with {trainer.strategy._start_method!r}): Lightning copies "
-                "rank 0's final weights back into the main process's model, which was never prepared nor converted, "
-                "and FX-prepared modules cannot be pickled. Use strategy='ddp'."
+                f"strategy={names} (processes started with {start_method!r}) with engine={self.engine.name!r}: "
+                "the main process gets its model back from rank 0 by pickling, and the engine's exported "
+                "modules do not pickle; valid choices: strategy='ddp' (Lightning re-launches the script, any "
+                "engine), or engine='fx' with a spawn/fork strategy"
             )
         if stage != "fit":
             # validate/test/predict(ckpt_path=<a QAT checkpoint>): prepare when Lightning hands the
@@ -550,16 +564,17 @@ class QuantizationAwareTraining(Callback):
         if self.ptq_batches and not self.ptq_modules and self.float_snapshot is not None and self.prepared:
             self._run_ptq_baseline(trainer, pl_module, self.float_snapshot)  # resumed after fake-quant start
         if self.convert_on_fit_end and self.prepared and not self.converted:
-            self.convert(pl_module)
+            if is_distributed(trainer):
+                self._convert_on_rank_zero(trainer, pl_module)
+            else:
+                self.convert(pl_module)
+        if self.prepared and _spawn_start_method(trainer) is not None and trainer.is_global_zero:
+            self._send_to_main_process(trainer, pl_module)
 
     def convert(self, pl_module: "pl.LightningModule") -> None:
         """Convert every prepared submodule to int8 for the backend, in place."""
         for name in self.targets:
-            prepared = pl_module.get_submodule(name)
-            self.engine.set_observers(prepared, False)
-            if self.keep_fake_quant:
-                self.fake_quant_modules[name] = copy.deepcopy(prepared).eval()
-            _remove_pruning(prepared)  # masks folded into the weights, so convert reads current ones
+            prepared = self._before_convert(pl_module, name)
             int8 = self.engine.convert(prepared, self.spec)
             self.int8_modules[name] = int8
             _set_submodule(pl_module, name, int8)
@@ -567,6 +582,222 @@ class QuantizationAwareTraining(Callback):
                 _set_submodule(pl_module, name, self._lower(pl_module, name, int8))
         self.converted = True
         rank_zero_info(f"[qlightning] converted {self.targets} to int8 ({self.backend})")
+
+    def _before_convert(self, pl_module: "pl.LightningModule", name: str) -> nn.Module:
+        prepared = pl_module.get_submodule(name)
+        self.engine.set_observers(prepared, False)
+        if self.keep_fake_quant:
+            self.fake_quant_modules[name] = copy.deepcopy(prepared).eval()
+        _remove_pruning(prepared)  # masks folded into the weights, so convert reads current ones
+        return prepared
+
+    # ------------------------------------------------------------------ conversion on rank 0 only
+
+    def _convert_on_rank_zero(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Under DDP: rank 0 converts (and, for ``lowering != "fx"``, times the runtimes and chooses);
+        the other ranks receive its int8 modules and choice through the strategy's ``broadcast``.
+
+        The buffers were just broadcast from rank 0, so every rank holds the model rank 0 converts.
+        A module that does not pickle (e.g. PT2E's exported graphs) is converted on each rank
+        instead, and rank 0's int8 state_dict is then loaded into it strictly.
+        """
+        message: Optional[dict[str, Any]] = None
+        if trainer.is_global_zero:
+            try:
+                self.convert(pl_module)
+                message = self._conversion_message(pl_module)
+            except BaseException as exc:
+                # tell the other ranks (waiting in the broadcast below) before raising here
+                broadcast_object(trainer, {"error": f"{type(exc).__name__}: {exc}"})
+                raise
+        message = broadcast_object(trainer, message)
+        if trainer.is_global_zero:
+            return
+        if "error" in message:
+            raise QLightningError(f"QuantizationAwareTraining: rank 0 failed to convert to int8: {message['error']}")
+        self._receive_conversion(pl_module, message)
+
+    def _conversion_message(self, pl_module: "pl.LightningModule") -> dict[str, Any]:
+        message: dict[str, Any] = {"int8": {}, "int8_state": {}, "lowered": {}, "lowering_choices": self.lowering_choices}
+        for name in self.targets:
+            int8 = self.int8_modules[name]
+            try:
+                message["int8"][name] = dumps_modules(int8)
+            except Exception:  # converted on every rank, then loaded with rank 0's values
+                buffer = io.BytesIO()
+                torch.save(int8.state_dict(), buffer)
+                message["int8_state"][name] = buffer.getvalue()
+            lowered = pl_module.get_submodule(name)
+            if lowered is not int8:
+                try:
+                    message["lowered"][name] = dumps_modules(lowered)
+                except Exception:
+                    message["lowered"][name] = None  # rebuilt from the choice on each rank
+        return message
+
+    def _receive_conversion(self, pl_module: "pl.LightningModule", message: dict[str, Any]) -> None:
+        for name in self.targets:
+            prepared = self._before_convert(pl_module, name)
+            if name in message["int8"]:
+                int8 = loads_modules(message["int8"][name])
+            else:
+                int8 = self.engine.convert(prepared, self.spec)
+                state = torch.load(io.BytesIO(message["int8_state"][name]), weights_only=False)
+                int8.load_state_dict(state, strict=True)
+            self.int8_modules[name] = int8
+            module = int8
+            _set_submodule(pl_module, name, int8)
+            choice = message["lowering_choices"].get(name)
+            if choice is not None:
+                self.lowering_choices[name] = choice
+                module = self._lowered_from(pl_module, name, int8, choice["name"], message["lowered"].get(name))
+            _set_submodule(pl_module, name, module)
+        self.converted = True
+
+    def _lowered_from(
+        self, pl_module: "pl.LightningModule", name: str, int8: nn.Module, runtime: str, data: Optional[bytes]
+    ) -> nn.Module:
+        """The runtime rank 0 chose for ``name``: its pickled module, or built again (not timed) here."""
+        from qlightning.lowering import BUILDERS, LoweringContext, _attach_source
+
+        if runtime == "fx":
+            return int8
+        if data is not None:
+            return _attach_source(loads_modules(data), int8)
+        from qlightning.export import qdq_module
+        from qlightning.report import _tile
+
+        example = self.inputs[name]
+        batch = Inputs(_tile(example.args, self.lowering_batch_size), _tile(example.kwargs, self.lowering_batch_size))
+        try:
+            reference = qdq_module(self, pl_module, name)
+        except Exception:
+            reference = None
+        return BUILDERS[runtime](LoweringContext(self.fake_quant_modules[name], int8, batch, qdq_module=reference))
+
+    # ------------------------------------------------------------------ spawn/fork strategies
+
+    def _send_to_main_process(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Rank 0 of ``ddp_spawn``/``ddp_fork``: hand the QAT result to Lightning's launcher for the main process.
+
+        Lightning returns rank 0's final ``state_dict`` to the main process and loads it with
+        ``strict=False`` into a model that was never prepared nor converted (this is a copy of the
+        callback; the main process has its own). The launcher's ``get_extra_results`` is the
+        documented channel for extra results: this process's launcher (and only it) gets a wrapper
+        that adds ours; the main process's side is :func:`_install_main_process_recovery`.
+        """
+        # A file, like Lightning's own weights: the launcher joins the processes before it reads its
+        # queue, so a payload larger than a pipe's buffer (64 KiB) would block rank 0 forever (measured).
+        path = os.path.join(tempfile.mkdtemp(prefix="qlightning-"), "qat.pkl")
+        with open(path, "wb") as f:
+            f.write(self._main_process_payload(pl_module))
+        launcher = trainer.strategy.launcher
+        original = launcher.get_extra_results
+        key = self.state_key
+
+        def get_extra_results(trainer: "pl.Trainer") -> dict[str, Any]:
+            extra = original(trainer)
+            extra.setdefault(_EXTRA_KEY, {})[key] = path
+            return extra
+
+        launcher.get_extra_results = get_extra_results  # type: ignore[method-assign]
+
+    def _main_process_payload(self, pl_module: "pl.LightningModule") -> bytes:
+        if self.converted:
+            fake_quant = {name: m.state_dict() for name, m in self.fake_quant_modules.items()}
+        else:
+            fake_quant = {name: pl_module.get_submodule(name).state_dict() for name in self.targets}
+        lowered: dict[str, Optional[bytes]] = {}
+        for name in self.lowering_choices:
+            module = pl_module.get_submodule(name)
+            try:
+                lowered[name] = None if module is self.int8_modules.get(name) else dumps_modules(module)
+            except Exception:
+                lowered[name] = None
+        ptq: dict[str, bytes] = {}
+        for name, module in self.ptq_modules.items():
+            try:
+                ptq[name] = dumps_modules(module)
+            except Exception as exc:
+                rank_zero_warn(f"[qlightning] the PTQ baseline of {name!r} does not reach the main process: {exc}")
+        return dumps_modules(
+            {
+                "targets": list(self.targets),
+                "converted": self.converted,
+                "phase": None if self.phase is None else vars(self.phase).copy(),
+                "provenance": self.provenance,
+                "float_snapshot": self.float_snapshot,
+                "inputs": self.inputs,
+                "fake_quant_state": fake_quant,
+                "keep_fake_quant": self.keep_fake_quant and self.converted,
+                "int8": {name: self.int8_modules[name] for name in self.targets} if self.converted else {},
+                "lowered": lowered,
+                "lowering_choices": self.lowering_choices,
+                "ptq_modules": ptq,
+                "state_keys": list(pl_module.state_dict().keys()),
+            }
+        )
+
+    def _restore_in_main_process(self, pl_module: "pl.LightningModule", payload: bytes) -> list[str]:
+        """The main process: rebuild what rank 0 ended with. Returns the state_dict keys rank 0 had.
+
+        FX-prepared modules do not pickle, so the fake-quant model is prepared again here from this
+        process's float submodule (with rank 0's example inputs) and loaded strictly with rank 0's
+        state; the int8 modules are rank 0's own, unpickled.
+        """
+        data = loads_modules(payload)
+        self.targets = data["targets"]
+        self.inputs = data["inputs"]
+        self.phase = Phase(**data["phase"]) if data["phase"] else None
+        self.provenance = data["provenance"]
+        self.float_snapshot = data["float_snapshot"]
+        for name in self.targets:
+            try:
+                float_module = pl_module.get_submodule(name)
+            except AttributeError as exc:
+                raise QLightningError(
+                    f"QuantizationAwareTraining: {name!r} is not a submodule of the main process's model (built in "
+                    "configure_model?), so rank 0's QAT result cannot be put back there; use strategy='ddp'"
+                ) from exc
+            if self.ptq_batches:
+                self._float_refs[name] = float_module
+            prepared = self.engine.prepare(copy.deepcopy(float_module), self.inputs[name], self.spec)
+            prepared.load_state_dict(data["fake_quant_state"][name], strict=True)
+            if self.phase is not None:
+                self.engine.set_phase(prepared, self.phase)
+            self.engine.set_observers(prepared, False)
+            if not data["converted"]:
+                _set_submodule(pl_module, name, prepared)
+                continue
+            if data["keep_fake_quant"]:
+                self.fake_quant_modules[name] = prepared.eval()
+            int8 = data["int8"][name]
+            self.int8_modules[name] = int8
+            module = int8
+            _set_submodule(pl_module, name, int8)
+            if name in data["lowering_choices"]:
+                self.lowering_choices[name] = data["lowering_choices"][name]
+                module = self._lowered_from(pl_module, name, int8, self.lowering_choices[name]["name"], data["lowered"].get(name))
+            _set_submodule(pl_module, name, module)
+        self.ptq_modules = {name: loads_modules(b) for name, b in data["ptq_modules"].items()}
+        self.prepared = True
+        self.converted = data["converted"]
+        # the same Trainer may validate/test/predict next, spawning processes that receive this model
+        for name in self.targets:
+            for module in {id(m): m for m in (pl_module.get_submodule(name), self.int8_modules.get(name)) if m is not None}.values():
+                if isinstance(module, torch.fx.GraphModule):
+                    pickle_whole_for_new_processes(module)
+        return data["state_keys"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled copies (the processes a spawn strategy starts for a validate/test/predict after a
+        # spawn fit) carry the model's state but not the fake-quant copies kept for reports and
+        # lowering: FX-prepared modules do not pickle, and those processes never use them.
+        state = self.__dict__.copy()
+        engine = self._engine_arg if isinstance(self._engine_arg, str) else getattr(self._engine_arg, "name", None)
+        if engine == "fx":
+            state["fake_quant_modules"] = {}
+        return state
 
     def _lower(self, pl_module: "pl.LightningModule", name: str, int8: nn.Module) -> nn.Module:
         """``lowering=auto|onnxruntime|inductor``: the fastest faithful runtime for ``name`` (else ``int8``)."""
@@ -633,3 +864,66 @@ class QuantizationAwareTraining(Callback):
         self.phase = Phase(**phase) if phase else None
         self.provenance = self.provenance or dict(state_dict.get("provenance") or {})
         self.float_snapshot = state_dict.get("float_snapshot")
+
+
+def _spawn_start_method(trainer: Any) -> Optional[str]:
+    """``"spawn"``/``"fork"``/``"forkserver"`` when Lightning started the processes itself and joins
+    them in a main process (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``), else ``None``."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    launcher = getattr(trainer.strategy, "launcher", None)
+    return launcher._start_method if isinstance(launcher, _MultiProcessingLauncher) else None
+
+
+#: key of the QAT results in the extra results Lightning's multiprocessing launcher returns
+_EXTRA_KEY = "qlightning_qat"
+
+
+def _install_main_process_recovery() -> None:
+    """Let ``ddp_spawn``/``ddp_fork``/``ddp_notebook`` give the main process the converted model.
+
+    After the processes join, Lightning's ``_MultiProcessingLauncher._recover_results_in_main_process``
+    loads rank 0's final ``state_dict`` into the main process's model with ``strict=False``. That
+    model was never prepared nor converted (preparation ran in the workers), so the int8 weights
+    would not fit it (quantized tensors do not copy into float parameters) or, worse, be skipped
+    silently. No callback hook runs in the main process then, so we wrap that one method, on the
+    class (the main process's launcher instance is created before any callback hook runs): before
+    Lightning's loading, each ``QuantizationAwareTraining`` of the trainer rebuilds rank 0's modules
+    from what rank 0 sent (see ``_send_to_main_process``), so the state_dict fits exactly; after it,
+    the keys are checked. Runs without a QAT callback are passed straight through. Idempotent.
+    """
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    original = _MultiProcessingLauncher._recover_results_in_main_process
+    if getattr(original, "_qlightning", False):
+        return
+
+    def _recover_results_in_main_process(self: Any, worker_output: Any, trainer: "pl.Trainer") -> None:
+        callbacks = [c for c in trainer.callbacks if isinstance(c, QuantizationAwareTraining)]
+        sent = (worker_output.extra or {}).get(_EXTRA_KEY, {})
+        expected: dict[str, list[str]] = {}
+        if worker_output.weights_path is not None:  # a fit: rank 0's weights come back
+            for callback in callbacks:
+                if callback.state_key not in sent:
+                    raise QLightningError(
+                        "QuantizationAwareTraining: rank 0 did not send its QAT state back to the main process "
+                        "(the fit did not reach on_fit_end), so the main process's model cannot receive its "
+                        "weights; resume from the last checkpoint with strategy='ddp'"
+                    )
+                path = sent[callback.state_key]
+                with open(path, "rb") as f:
+                    payload = f.read()
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+                expected[callback.state_key] = callback._restore_in_main_process(trainer.lightning_module, payload)
+        original(self, worker_output, trainer)
+        for keys in expected.values():
+            held = list(trainer.lightning_module.state_dict().keys())
+            if set(held) != set(keys):
+                raise QLightningError(
+                    "QuantizationAwareTraining: the main process's model does not have rank 0's structure after "
+                    f"the spawn strategy returned: missing {sorted(set(keys) - set(held))[:8]}, "
+                    f"unexpected {sorted(set(held) - set(keys))[:8]}"
+                )
+
+    _recover_results_in_main_process._qlightning = True  # type: ignore[attr-defined]
+    _MultiProcessingLauncher._recover_results_in_main_process = _recover_results_in_main_process  # type: ignore[method-assign]

@@ -24,12 +24,20 @@ examples:
 """
 
 
+COMMANDS = ("train", "recipes", "doctor", "export", "report")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2
     command, rest = args[0], args[1:]
+    if command not in COMMANDS and any(a.startswith("hydra.job.name=train_ddp_process_") for a in args):
+        # Lightning's ddp strategy (without torchrun/SLURM) re-launches this program for local ranks
+        # 1..N-1 with sys.argv[1:], which `qlightning train` set to the train overrides, plus its own
+        # hydra.run.dir/hydra.job.name=train_ddp_process_N overrides
+        command, rest = "train", args
     if command == "train":
         from qlightning.cli.train import main as train_main
 

@@ -76,7 +76,9 @@ def main(argv: Sequence[str]) -> int:
         print(f"qlightning: configuration error\n{exc}", file=sys.stderr)
         return 2
     _state["recipe"] = recipe
-    sys.argv = ["qlightning train", *overrides]
+    # sys.argv[0] is a real file: Lightning's ddp strategy re-launches `python sys.argv[0] sys.argv[1:]`
+    # for the other local ranks (or `python -m qlightning.cli.__main__ ...` under `python -m`)
+    sys.argv = [str(Path(__file__).with_name("__main__.py")), *overrides]
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     _hydra_main()
     return 0
