@@ -92,7 +92,7 @@ def dumps_modules(obj: Any) -> bytes:
     """Pickle ``obj`` (modules, tensors, plain data) so that FX-converted int8 modules survive.
 
     Raises what pickling raises (``AttributeError``/``TypeError``/``pickle.PicklingError``) for
-    objects that cannot travel, e.g. FX-prepared or torch.export-ed modules.
+    objects that cannot travel, e.g. torch.export-ed modules.
     """
     obj = copy.deepcopy(obj)  # the annotations are dropped from the copy only
     for value in _walk(obj):

@@ -5,7 +5,6 @@ The multi-process runs themselves are in tests/test_ddp.py (slow).
 
 from __future__ import annotations
 
-import pickle
 
 import lightning.pytorch as pl
 import pytest
@@ -45,10 +44,26 @@ def test_fx_int8_model_survives_the_transport_between_processes():
     assert [node.type for node in model.net.graph.nodes] == annotations
 
 
-def test_fx_prepared_module_is_reported_as_not_transportable():
+def test_main_process_rebuilds_rank_zeros_fake_quant_and_int8_models():
+    """What the main process makes of rank 0's payload (QAT._restore_in_main_process, here in one
+    process): the int8 model unpickled, the fake-quant model prepared again (with the engine's fast
+    training paths) and loaded strictly with rank 0's state."""
+    from qlightning.engines import fast_fq
+
     model, qat = _converted_digits()
-    with pytest.raises((AttributeError, TypeError, pickle.PicklingError)):
-        dumps_modules(qat.fake_quant_modules["net"])  # rebuilt by preparing instead (see QAT._restore_in_main_process)
+    payload = qat._main_process_payload(model)
+    main_model = DigitsClassifier()
+    main_qat = QuantizationAwareTraining(modules=["net"], example_inputs={"net": torch.randn(4, 1, 8, 8)})
+    main_qat._restore_in_main_process(main_model, payload)
+    x = torch.rand(16, 1, 8, 8)
+    assert main_qat.converted and main_qat.targets == ["net"]
+    assert torch.equal(main_model.net(x), model.net(x))
+    fake_quant, rebuilt = qat.fake_quant_modules["net"], main_qat.fake_quant_modules["net"]
+    a, b = fake_quant.state_dict(), rebuilt.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        assert torch.equal(rebuilt(x), fake_quant(x))
+    assert any(fast_fq.is_fast(m) for m in rebuilt.modules())
 
 
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])

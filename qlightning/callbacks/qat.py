@@ -741,9 +741,10 @@ class QuantizationAwareTraining(Callback):
     def _restore_in_main_process(self, pl_module: "pl.LightningModule", payload: bytes) -> list[str]:
         """The main process: rebuild what rank 0 ended with. Returns the state_dict keys rank 0 had.
 
-        FX-prepared modules do not pickle, so the fake-quant model is prepared again here from this
-        process's float submodule (with rank 0's example inputs) and loaded strictly with rank 0's
-        state; the int8 modules are rank 0's own, unpickled.
+        The fake-quant model is prepared again here from this process's float submodule (with rank 0's
+        example inputs) and loaded strictly with rank 0's state: PT2E's exported modules do not pickle,
+        and a pickled FX one would lose the engine's training paths (instance methods; see
+        engines/fast_fq.py). The int8 modules are rank 0's own, unpickled.
         """
         data = loads_modules(payload)
         self.targets = data["targets"]
