@@ -194,3 +194,17 @@ def test_clipping_artifact_is_caught(qat_run, tmp_path, monkeypatch):
         extra = export_and_check(qat, model, dm, tmp_path, *configs(formats=("pt2",), report=False, on_breach="warn"))
     failed = {(c["candidate"], c["reference"]) for c in extra["parity"]["checks"] if c["gated"] and not c["passed"]}
     assert ("pt2", "int8") in failed
+
+
+def test_report_written_before_the_run_ends_has_no_made_up_wall_time():
+    """A failing gate writes report.md before the run's wall time exists: the sentence is left out, not 'nan'."""
+    from qlightning.report import to_markdown
+
+    report = {
+        "modules": ["net"], "engine": "fx", "backend": "x86",
+        "metrics": {"fp32": {"acc": 0.98}, "int8": {"acc": 0.97}},
+        "size_bytes": {"fp32": 4096, "int8": 1024},
+        "latency_ms": {"fp32": 2.0, "int8": 1.0}, "latency_batch_size": 32, "latency_threads": 2,
+    }
+    assert "nan" not in to_markdown(report) and "Wall time" not in to_markdown(report)
+    assert "Wall time of the run: 12.5 s." in to_markdown({**report, "wall_s": 12.5})
