@@ -8,10 +8,11 @@ batch. Random states are restored afterwards so capturing never changes a seeded
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import fnmatch
 import random
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -101,19 +102,28 @@ def capture_inputs(root: nn.Module, targets: Iterable[str], run: Callable[[], An
 
     for name in targets:
         handles.append(root.get_submodule(name).register_forward_pre_hook(make_hook(name), with_kwargs=True))
-    modes = {m: m.training for m in root.modules()}
     try:
-        with _RandomStates(), torch.no_grad():
-            root.eval()
+        with _RandomStates(), evaluating(root):
             run()
     except _AllCaptured:
         pass
     finally:
         for handle in handles:
             handle.remove()
+    return captured
+
+
+@contextlib.contextmanager
+def evaluating(root: nn.Module) -> Iterator[None]:
+    """``root`` in eval mode without autograd; every submodule's own ``training`` flag put back afterwards."""
+    modes = {m: m.training for m in root.modules()}
+    try:
+        with torch.no_grad():
+            root.eval()
+            yield
+    finally:
         for m, mode in modes.items():
             m.training = mode
-    return captured
 
 
 def example_inputs_for(

@@ -19,7 +19,7 @@ from torch import nn
 from typing_extensions import override
 
 from qlightning.callbacks.qat import _as_inputs, _set_submodule, check_common_arguments
-from qlightning.capture import _RandomStates, capture_inputs, example_inputs_for, resolve_targets
+from qlightning.capture import _RandomStates, capture_inputs, evaluating, example_inputs_for, resolve_targets
 from qlightning.distributed import broadcast_buffers
 from qlightning.engines import BACKENDS, ENGINES, Inputs, QuantEngine, QuantSpec, get_engine
 from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError, TraceError
@@ -73,18 +73,14 @@ def run_to_targets(
         module = pl_module.get_submodule(name)
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
-    modes = {m: m.training for m in pl_module.modules()}
     try:
-        with torch.no_grad():
-            pl_module.eval()
+        with evaluating(pl_module):
             run()
     except _TargetsDone:
         pass
     finally:
         for handle in handles:
             handle.remove()
-        for m, mode in modes.items():
-            m.training = mode
     return done
 
 

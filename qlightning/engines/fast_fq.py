@@ -68,6 +68,13 @@ except ImportError:  # pragma: no cover - numpy ships with every torch wheel in 
     _np = None
 
 
+def _round_and_clamp(x: torch.Tensor, scale: Any, lo: Any, hi: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, clamp(q, lo, hi))`` with ``q = round(x * (1 / scale))``: the integer grid of every fake-quant here."""
+    q = torch.mul(x, torch.reciprocal(scale))
+    q.round_()
+    return q, torch.clamp(q, lo, hi)
+
+
 class _FakeQuant(torch.autograd.Function):
     """``(clamp(round(x / s) + zp, qmin, qmax) - zp) * s`` with the straight-through mask gradient.
 
@@ -81,9 +88,7 @@ class _FakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:  # type: ignore[override]
-        q = torch.mul(x, torch.reciprocal(scale))
-        q.round_()
-        out = torch.clamp(q, lo, hi)
+        q, out = _round_and_clamp(x, scale, lo, hi)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(_pack_inverted(q.sub_(out).to(torch.bool)))
         return out.mul_(scale)
@@ -186,20 +191,31 @@ def fast_fake_quant_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor
         # small tensors: the fused op's single dispatch beats several vectorized ones
         self.__dict__.pop("_qlightning_cache", None)  # the op writes scale / zp without a version bump
         return FusedMovingAvgObsFakeQuantize.forward(self, torch.relu(X) if relu else X)
+    qparams = _observe_then_qparams(self, X, relu)
+    if qparams is FAKE_QUANT_OFF:
+        return torch.relu(X) if relu else X  # the fused op returns a copy whose gradient is grad * ones
+    if qparams is UNOBSERVED:
+        return FusedMovingAvgObsFakeQuantize.forward(self, torch.relu(X) if relu else X)
+    return (_ReluFakeQuant if relu else _FakeQuant).apply(X, *qparams)
+
+
+FAKE_QUANT_OFF, UNOBSERVED = object(), object()
+
+
+def _observe_then_qparams(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor, relu: bool = False) -> Any:
+    """Observe ``X`` (``relu(X)``) when the observer is on, as the fused op would; then what to fake-quantize
+    with: ``(scale, lo, hi)``, ``FAKE_QUANT_OFF``, or ``UNOBSERVED`` (no statistics yet: torch.ao's own path)."""
     buffers = self._buffers
-    observe = buffers["observer_enabled"].item() == 1
-    if observe:
+    if buffers["observer_enabled"].item() == 1:
         with torch.no_grad():
             _observe(self, torch.relu(X.detach()) if relu else X.detach())
         self.__dict__.pop("_qlightning_cache", None)  # the op writes min/max in place without a version bump
     if buffers["fake_quant_enabled"].item() != 1:
-        return torch.relu(X) if relu else X  # the fused op returns a copy whose gradient is grad * ones
-    obs = self._modules["activation_post_process"]
-    if obs._buffers["min_val"].numel() == 0:
-        return FusedMovingAvgObsFakeQuantize.forward(self, torch.relu(X) if relu else X)  # never observed
+        return FAKE_QUANT_OFF
+    if self._modules["activation_post_process"]._buffers["min_val"].numel() == 0:
+        return UNOBSERVED
     with torch.no_grad():
-        scale, lo, hi = _update_qparams(self, X.dim())
-    return (_ReluFakeQuant if relu else _FakeQuant).apply(X, scale, lo, hi)
+        return _update_qparams(self, X.dim())
 
 
 class _ReluFakeQuant(torch.autograd.Function):
@@ -213,9 +229,7 @@ class _ReluFakeQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:  # type: ignore[override]
         r = torch.relu(x)
-        q = torch.mul(r, torch.reciprocal(scale))
-        q.round_()
-        out = torch.clamp(q, lo, hi)
+        q, out = _round_and_clamp(r, scale, lo, hi)
         if ctx.needs_input_grad[0]:
             # |q - clamp(q)| + 1 - sign(r): 0 exactly where in range and x > 0, >= 1 elsewhere
             drop = q.sub_(out).abs_().sub_(r.sign_()).add_(1.0)
@@ -233,9 +247,7 @@ class _ReluFakeQuant(torch.autograd.Function):
 
 def _fake_quant_values(w: torch.Tensor, scale: torch.Tensor, lo: Any, hi: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """:class:`_FakeQuant`'s forward arithmetic: ``(fq(w), in_range as 0/1 uint8)``."""
-    q = torch.mul(w, torch.reciprocal(scale))
-    q.round_()
-    out = torch.clamp(q, lo, hi)
+    q, out = _round_and_clamp(w, scale, lo, hi)
     inside = q.sub_(out).to(torch.bool).logical_not_().view(torch.uint8)
     return out.mul_(scale), inside
 
@@ -283,23 +295,17 @@ def fast_linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """
     fq = self._modules["weight_fake_quant"]
     weight = self._parameters["weight"]
-    buffers = fq._buffers
     relu = type(self) is not _nnqat.Linear
     if (weight.numel() < MIN_ELEMENTS or not is_fast(fq) or not torch.is_grad_enabled() or not weight.requires_grad
             or input.device.type != "cpu" or input.dtype != torch.float32 or input.dim() < 2):
         return type(self).forward(self, input)
-    if buffers["observer_enabled"].item() == 1:
-        with torch.no_grad():
-            _observe(fq, weight.detach())
-        fq.__dict__.pop("_qlightning_cache", None)
-    if buffers["fake_quant_enabled"].item() != 1:
+    qparams = _observe_then_qparams(fq, weight)
+    if qparams is UNOBSERVED:
+        return type(self).forward(self, input)  # torch.ao's own path
+    if qparams is FAKE_QUANT_OFF:
         out = torch.nn.functional.linear(input, weight, self.bias)
-    elif fq._modules["activation_post_process"]._buffers["min_val"].numel() == 0:
-        return type(self).forward(self, input)  # never observed: torch.ao's own path
     else:
-        with torch.no_grad():
-            scale, lo, hi = _update_qparams(fq, weight.dim())
-        out = _LinearRecomputingWeightFakeQuant.apply(input, weight, self.bias, scale, lo, hi)
+        out = _LinearRecomputingWeightFakeQuant.apply(input, weight, self.bias, *qparams)
     return torch.relu(out) if relu else out
 
 
@@ -450,13 +456,6 @@ def restore_fake_quant(module: nn.Module) -> int:
                 del m.__dict__[name]
                 count += name != "_qlightning_cache"
     return count
-
-
-def invalidate(module: nn.Module) -> None:
-    """Forget cached scales / zero points (after buffers were written without a version bump, e.g. a
-    ``torch.distributed.broadcast``); they are recomputed from the buffers on the next forward."""
-    for m in module.modules():
-        m.__dict__.pop("_qlightning_cache", None)
 
 
 def fast_modules(module: nn.Module) -> Iterator[nn.Module]:

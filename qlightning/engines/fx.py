@@ -67,14 +67,6 @@ def load_torch_ao() -> SimpleNamespace:
     return SimpleNamespace(**{k: v for k, v in locals().items() if k != "exc"})
 
 
-def _invalidate_fast(module: nn.Module) -> None:
-    """Drop fast fake-quant caches: the callback calls set_phase / set_observers after every buffer
-    broadcast (DDP), which writes scales and zero points without a version bump."""
-    from qlightning.engines.fast_fq import invalidate
-
-    invalidate(module)
-
-
 class FxEngine(QuantEngine):
     """torch.ao FX graph mode: fuse + trace + insert fake-quant, then ``convert_fx`` and lower.
 
@@ -246,8 +238,10 @@ class FxEngine(QuantEngine):
                 yield m
 
     def set_phase(self, module: nn.Module, phase: Phase) -> None:
-        _invalidate_fast(module)
         for m in self._quant_modules(module):
+            # the fast path's cached scales / zero points go with every phase or observer change: the callback
+            # makes one after each buffer broadcast (DDP), which writes them without a version bump
+            m.__dict__.pop("_qlightning_cache", None)
             if isinstance(m, self.ao.FakeQuantizeBase):
                 m.enable_fake_quant(phase.fake_quant)
                 m.enable_observer(phase.observe)
@@ -262,8 +256,8 @@ class FxEngine(QuantEngine):
                     m.eval()
 
     def set_observers(self, module: nn.Module, enabled: bool) -> None:
-        _invalidate_fast(module)
         for m in self._quant_modules(module):
+            m.__dict__.pop("_qlightning_cache", None)  # as in set_phase
             if isinstance(m, self.ao.FakeQuantizeBase):
                 m.enable_observer(enabled)
 
