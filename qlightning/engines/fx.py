@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, quantized_engine
+from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, quantized_engine, settle_fake_quant_state
 from qlightning.engines.fx_prepare import faster_prepare
 from qlightning.errors import EngineUnavailableError, TraceError
 from qlightning.schedule import Phase
@@ -180,6 +180,8 @@ class FxEngine(QuantEngine):
 
             swap_fake_quant(prepared, fake_quant=True, conv_bn=spec.options.get("fast_conv_bn", True), relu=True,
                             linear=spec.options.get("fast_linear", True))
+        if spec.is_qat:
+            settle_fake_quant_state(prepared)  # no evaluation before training may move a buffer (base.py)
         return prepared
 
     @staticmethod

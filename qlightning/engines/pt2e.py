@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs, QuantEngine, QuantSpec
+from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, settle_fake_quant_state
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
 from qlightning.schedule import Phase
 
@@ -697,6 +697,8 @@ class Pt2eEngine(QuantEngine):
                 f"torchao {prepare.__name__} failed on {type(module).__name__} with {type(quantizer).__name__}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        if spec.is_qat:
+            settle_fake_quant_state(prepared)  # no evaluation before training may move a buffer (base.py)
         return _install_train_eval(prepared, training=spec.is_qat)
 
     # ------------------------------------------------------------------ phases
