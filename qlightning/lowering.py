@@ -10,8 +10,8 @@ example input (output SQNR and top-1 agreement) and keeps the fastest that passe
     the engine's own converted module, run eagerly (FX: torch.ao ``convert_fx`` lowered to the
     fbgemm / x86 / onednn kernels; PT2E: torchao's q/dq reference graph).
 ``onnxruntime``
-    the q/dq graph (:func:`qlightning.export.qdq_module` semantics: activations over the full range
-    of their dtype, weights as int8 constants) exported to QDQ ONNX and run by onnxruntime's CPU
+    the q/dq graph (:func:`qlightning.export.qdq_module` semantics: the int8 model's qparams and
+    activation ranges, weights as int8 constants) exported to QDQ ONNX and run by onnxruntime's CPU
     provider, which fuses QDQ pairs into QLinearConv / MatMulInteger kernels.
 ``inductor``
     the same q/dq graph compiled by ``torch.compile`` (inductor) with ``freezing`` on: inductor's
@@ -169,8 +169,9 @@ def _is_fx_lowered(int8: nn.Module) -> bool:
 def reference_qdq_module(fake_quant: nn.Module, int8: nn.Module) -> nn.Module:
     """A float q/dq graph that computes what ``int8`` computes.
 
-    FX: the decomposed reference model of (a copy of) the fake-quant module, activations over the full
-    range of their dtype (what the int8 kernels do; see :func:`qlightning.export.full_range_activations`).
+    FX: the decomposed reference model of (a copy of) the fake-quant module with the trained qparams;
+    activations over the fake-quant's range where ``int8`` clamps to it (``FxEngine.convert``), else over
+    the full range of their dtype (:func:`qlightning.export.full_range_activations`).
     PT2E: the converted module already is one.
     """
     if not _is_fx_lowered(int8):
@@ -187,8 +188,12 @@ def reference_qdq_module(fake_quant: nn.Module, int8: nn.Module) -> nn.Module:
         for m in module.modules():
             if isinstance(m, FakeQuantizeBase):
                 m.disable_observer()
-        reference = _convert_to_reference_decomposed_fx(module)
-    full_range_activations(reference)
+        from qlightning.engines.fx import CLAMP_META, trained_qparams
+
+        with trained_qparams(module):
+            reference = _convert_to_reference_decomposed_fx(module)
+    if not any(n.meta.get(CLAMP_META) for n in int8.graph.nodes):  # int8 kept its dtype's full range
+        full_range_activations(reference)
     return reference.eval()
 
 
