@@ -79,3 +79,39 @@ def test_evaluation_stages_leave_every_buffer_bit_identical(engine, fake_quant_s
         before = _buffers(model.net)
         getattr(trainer, stage)(model, datamodule=dm, verbose=False) if stage != "predict" else trainer.predict(model, datamodule=dm)
         _assert_identical(before, _buffers(model.net), f"trainer.{stage}")
+
+
+def _default_job(engine: str, seed: int = 0, **options):
+    """The embedded default job (digits CNN, x86, fake-quant from epoch 3, freeze at 6, 8 epochs)."""
+    pl.seed_everything(seed)
+    dm = DigitsDataModule(seed=seed)
+    model = DigitsClassifier()
+    qat = QuantizationAwareTraining(modules=["net"], backend="x86", engine=engine, engine_options=options, **DEFAULT_SCHEDULE)
+    make_trainer([qat]).fit(model, datamodule=dm)
+    dm.setup()
+    x, y = dm.splits["test"].tensors
+    with torch.no_grad():
+        fake_quant, int8 = qat.fake_quant_modules["net"](x), model.net(x)
+    return fake_quant, int8, y
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_int8_computes_what_fake_quant_trained(engine):
+    """int8 vs fake-quant logits on the digits test set after the default job: >= 30 dB, >= 99.5 % top-1.
+
+    FX before the fix: 15.7 dB (x86's reduce_range fake-quant clipped at 127 what int8 kept up to 255,
+    and convert re-derived every per-channel weight scale 1/255 off the trained one); now ~50 dB.
+    PT2E: ~40 dB before and after. ~10 s per engine on 2 cores.
+    """
+    fake_quant, int8, y = _default_job(engine)
+    sqnr, agreement = sqnr_db(fake_quant, int8), top1_agreement(fake_quant, int8)
+    assert sqnr >= 30, f"{engine}: int8 vs fake-quant logits {sqnr:.1f} dB"
+    assert agreement >= 0.995, f"{engine}: top-1 agreement {agreement:.4f}"
+    # today's accuracy on this seed (99.63 % FX, 98.89 % PT2E): int8 is not worse than it was
+    assert (int8.argmax(1) == y).float().mean().item() >= (0.996 if engine == "fx" else 0.988)
+
+
+def test_fx_clamp_and_trained_qparams_are_what_close_the_gap():
+    """Without the two convert fixes the FX gap is back (the test above is not passing by luck)."""
+    fake_quant, int8, _ = _default_job("fx", clamp_activations=False, trained_qparams=False)
+    assert sqnr_db(fake_quant, int8) < 20

@@ -87,7 +87,7 @@ def trained_qparams(module: nn.Module, enabled: bool = True) -> Iterator[None]:
     if enabled:
         for m in module.modules():
             if type(m).__name__ == "FusedMovingAvgObsFakeQuantize" and "calculate_qparams" not in m.__dict__:
-                m.__dict__["calculate_qparams"] = (lambda m=m: (m.scale.detach().clone(), m.zero_point.detach().clone()))
+                m.__dict__["calculate_qparams"] = (lambda m=m: (m.scale.detach().clone(), m.zero_point.detach().to(torch.int64)))  # the observer's dtypes
                 patched.append(m)
     try:
         yield
