@@ -95,13 +95,14 @@ def _default_job(engine: str, seed: int = 0, **options):
     return fake_quant, int8, y
 
 
+@pytest.mark.slow  # 8-epoch default job: ~10 s alone, 40-60 s on a shared 2-core machine
 @pytest.mark.parametrize("engine", ENGINES)
 def test_int8_computes_what_fake_quant_trained(engine):
     """int8 vs fake-quant logits on the digits test set after the default job: >= 30 dB, >= 99.5 % top-1.
 
     FX before the fix: 15.7 dB (x86's reduce_range fake-quant clipped at 127 what int8 kept up to 255,
     and convert re-derived every per-channel weight scale 1/255 off the trained one); now ~50 dB.
-    PT2E: ~40 dB before and after. ~10 s per engine on 2 cores.
+    PT2E: ~40 dB before and after.
     """
     fake_quant, int8, y = _default_job(engine)
     sqnr, agreement = sqnr_db(fake_quant, int8), top1_agreement(fake_quant, int8)
@@ -111,6 +112,7 @@ def test_int8_computes_what_fake_quant_trained(engine):
     assert (int8.argmax(1) == y).float().mean().item() >= (0.996 if engine == "fx" else 0.988)
 
 
+@pytest.mark.slow  # as above
 def test_fx_clamp_and_trained_qparams_are_what_close_the_gap():
     """Without the two convert fixes the FX gap is back (the test above is not passing by luck)."""
     fake_quant, int8, _ = _default_job("fx", clamp_activations=False, trained_qparams=False)

@@ -18,6 +18,7 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),
     },
     "pt2e": {
+        "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),
         "dynamic_batch": (bool, "export dim 0 of the inputs as a dynamic batch (default true)"),
         "dynamic_dims": (list, "further input dims exported as dynamic, e.g. [1] for a sequence (default [])"),
         "fold_quantize": (bool, "convert_pt2e stores int8 weights (default true)"),

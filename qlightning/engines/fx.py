@@ -17,7 +17,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, quantized_engine, settle_fake_quant_state
+from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, quantized_engine, settle_fake_quant_state, trained_qparams
+from qlightning.engines.base import _fused_op_qparams
 from qlightning.engines.fx_prepare import faster_prepare
 from qlightning.errors import EngineUnavailableError, TraceError
 from qlightning.schedule import Phase
@@ -70,32 +71,6 @@ def load_torch_ao() -> SimpleNamespace:
 CLAMP_META = "qlightning_activation_clamp"
 
 
-@contextlib.contextmanager
-def trained_qparams(module: nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Within this block, ``convert_fx`` quantizes with the scale / zero point the fake-quant trained with.
-
-    ``convert_fx`` asks each fake-quant's ``calculate_qparams()``, which for
-    ``FusedMovingAvgObsFakeQuantize`` is its *observer's* Python computation from the running min/max,
-    while the fake-quant forward (training and the kept fake-quant model) uses the ``scale`` buffer that
-    the fused C++ op computed. For per-channel symmetric int8 weights the two differ by 1/255 in every
-    channel (measured on the digits CNN: max_abs / 128 vs / 127.5), so convert re-rounds nearly every
-    weight (143 of 144 in the first conv): 33 dB int8 vs fake-quant after the first layer with
-    activations emulated exactly. Activations differ by up to one float32 ulp. Here every fused
-    fake-quant answers with its own buffers; restored on exit.
-    """
-    patched = []
-    if enabled:
-        for m in module.modules():
-            if type(m).__name__ == "FusedMovingAvgObsFakeQuantize" and "calculate_qparams" not in m.__dict__:
-                m.__dict__["calculate_qparams"] = (lambda m=m: (m.scale.detach().clone(), m.zero_point.detach().to(torch.int64)))  # the observer's dtypes
-                patched.append(m)
-    try:
-        yield
-    finally:
-        for m in patched:
-            m.__dict__.pop("calculate_qparams", None)
-
-
 def narrow_activation_ranges(module: nn.Module) -> dict[tuple[float, int], tuple[int, int]]:
     """``{(scale, zero_point): (quant_min, quant_max)}`` of the per-tensor activation fake-quants (and
     observers) of a prepared ``module`` whose integer range is narrower than their dtype's.
@@ -127,6 +102,8 @@ def narrow_activation_ranges(module: nn.Module) -> dict[tuple[float, int], tuple
             pass
         if isinstance(m, FakeQuantizeBase) and hasattr(m, "scale"):
             keys.append((m.scale, m.zero_point))
+            if type(m).__name__ == "FusedMovingAvgObsFakeQuantize":
+                keys.append(_fused_op_qparams(m))  # what convert quantizes with under trained_qparams
         for scale, zero_point in keys:
             if isinstance(scale, torch.Tensor) and scale.numel() == 1 and isinstance(zero_point, torch.Tensor):
                 found.setdefault((float(scale), int(zero_point)), set()).add((int(qmin), int(qmax)))
