@@ -188,9 +188,10 @@ def test_breach_names_the_broken_layer_and_can_warn(qat_run, tmp_path):
 
 
 def test_clipping_artifact_is_caught(qat_run, tmp_path, monkeypatch):
-    """Without full-range activations the .pt2 clips like fake-quant ([0, 127]), not like int8: the gate sees it."""
+    """A .pt2 whose activations fill 0..255 (the q/dq widened without the clamp) while int8 clamps to the
+    trained [0, 127], as every artifact did before convert clamped: the gate sees it."""
     model, dm, qat = qat_run
-    monkeypatch.setattr(exporting, "full_range_activations", lambda gm: 0)
+    monkeypatch.setattr(exporting, "explicit_activation_clamps", exporting.full_range_activations)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         extra = export_and_check(qat, model, dm, tmp_path, *configs(formats=("pt2",), report=False, on_breach="warn"))

@@ -157,7 +157,7 @@ class QuantConf:
     equalization: Optional[Any] = field(default=None, metadata={"help": "input-weight equalization (FX prepare_fx, PTQ only): a list of module names or {global: true}"})
     ptq: PtqConf = field(default_factory=PtqConf, metadata={"help": "post-training quantization settings"})
     backend_config: Optional[str] = field(default=None, metadata={"help": "null = the backend's own; or x86, fbgemm, qnnpack, onednn, native, executorch"})
-    engine_options: Dict[str, Any] = field(default_factory=dict, metadata={"help": "engine switches: fx: fast_qat, fast_conv_bn, fast_linear, fast_prepare (all default true); pt2e: dynamic_batch, dynamic_dims, fold_quantize, fast_fold, quantize_embeddings. Add keys with +quant.engine_options.NAME=VALUE"})
+    engine_options: Dict[str, Any] = field(default_factory=dict, metadata={"help": "engine switches: fx: fast_qat, fast_conv_bn, fast_linear, fast_prepare, clamp_activations, trained_qparams (all default true); pt2e: dynamic_batch, dynamic_dims, fold_quantize, fast_fold, quantize_embeddings, trained_qparams. Add keys with +quant.engine_options.NAME=VALUE"})
     lowering: Lowering = field(default=Lowering.fx, metadata={"help": "int8 runtime at fit end: fx (the engine's converted module), onnxruntime, inductor, or auto (time each on the example input, keep the fastest whose output SQNR vs the fake-quant model passes; the choice is in report.json)"})
     lowering_candidates: List[str] = field(default_factory=list, metadata={"help": "runtimes lowering=auto tries (empty: fx, onnxruntime, inductor)"})
     lowering_batch_size: int = field(default=32, metadata={"help": "batch size lowering=auto times and checks at (the example input tiled)"})

@@ -16,8 +16,11 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "fast_conv_bn": (bool, "conv-bn dividing the weight instead of the conv output (default true)"),
         "fast_linear": (bool, "QAT Linear recomputes its weight fake-quant in backward (default true)"),
         "fast_prepare": (bool, "skip torch.ao's throw-away observer constructions in prepare (default true)"),
+        "clamp_activations": (bool, "convert clamps int8 activations to the fake-quant's range, e.g. reduce_range 0..127 (default true)"),
+        "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),
     },
     "pt2e": {
+        "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),
         "dynamic_batch": (bool, "export dim 0 of the inputs as a dynamic batch (default true)"),
         "dynamic_dims": (list, "further input dims exported as dynamic, e.g. [1] for a sequence (default [])"),
         "fold_quantize": (bool, "convert_pt2e stores int8 weights (default true)"),

@@ -2,8 +2,8 @@
 
 ``_convert_to_reference_decomposed_fx`` turns the fake-quant model into ``quantized_decomposed``
 quantize/dequantize ops around float conv/linear: the graph ``torch.export`` and ONNX can capture
-(the lowered int8 model's packed-params script objects cannot be exported). One fix makes it
-reproduce the int8 kernels: activations quantize over the full range of their dtype.
+(the lowered int8 model's packed-params script objects cannot be exported). It quantizes with the
+trained qparams and the activation ranges the int8 model keeps (see ``FxEngine.convert``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from qlightning.engines.base import trained_qparams
 from qlightning.engines.fx.ao import quiet_torch_ao
+
+#: node meta key of the FX engine's clamp of an activation to its fake-quant range (``FxEngine.convert``)
+CLAMP_META = "qlightning_activation_clamp"
 
 
 def quantized_decomposed_ops() -> Any:
@@ -50,13 +54,22 @@ def full_range_activations(gm: torch.fx.GraphModule) -> int:
     return changed
 
 
-def reference_module(fake_quant: nn.Module, convert_custom_config: Any = None, backend_config: Any = None) -> nn.Module:
+def reference_module(
+    fake_quant: nn.Module, int8: nn.Module, convert_custom_config: Any = None, backend_config: Any = None,
+    trained: bool = True,
+) -> nn.Module:
     """The decomposed q/dq reference graph of (a copy of) a prepared FX module, observers off.
+
+    The same qparams and activation ranges as ``FxEngine.convert`` gives the int8 model: the trained
+    scales, and activations clamped to the fake-quant's range where ``int8`` clamps (else, with engine
+    option ``clamp_activations=false``, int8 fills its dtype's whole range and so must the reference).
 
     Args:
         fake_quant: the prepared (fake-quant) GraphModule; left untouched.
+        int8: the converted module (its clamp nodes say which activation ranges it keeps).
         convert_custom_config: the ``ConvertCustomConfig`` the int8 model was converted with.
         backend_config: the ``BackendConfig`` it was converted for (``None``: torch.ao's native one).
+        trained: quantize with the fake-quants' trained qparams (engine option ``trained_qparams``).
     """
     from torch.ao.quantization import FakeQuantizeBase
     from torch.ao.quantization.quantize_fx import _convert_to_reference_decomposed_fx
@@ -66,8 +79,11 @@ def reference_module(fake_quant: nn.Module, convert_custom_config: Any = None, b
         for m in module.modules():
             if isinstance(m, FakeQuantizeBase):
                 m.disable_observer()
-        reference = _convert_to_reference_decomposed_fx(
-            module, convert_custom_config=convert_custom_config, backend_config=backend_config
-        )
-    full_range_activations(reference)
+        with trained_qparams(module, trained):
+            reference = _convert_to_reference_decomposed_fx(
+                module, convert_custom_config=convert_custom_config, backend_config=backend_config
+            )
+    graph = getattr(int8, "graph", None)
+    if not any(n.meta.get(CLAMP_META) for n in getattr(graph, "nodes", ())):  # int8 kept its dtype's full range
+        full_range_activations(reference)
     return reference.eval()

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs, QuantEngine, QuantSpec
+from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, settle_fake_quant_state, trained_qparams
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
 from qlightning.core.schedule import Phase
 
@@ -697,6 +697,8 @@ class Pt2eEngine(QuantEngine):
                 f"torchao {prepare.__name__} failed on {type(module).__name__} with {type(quantizer).__name__}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        if spec.is_qat:
+            settle_fake_quant_state(prepared)  # no evaluation before training may move a buffer (base.py)
         return _install_train_eval(prepared, training=spec.is_qat)
 
     # ------------------------------------------------------------------ phases
@@ -789,7 +791,8 @@ class Pt2eEngine(QuantEngine):
             if _is_bn_counter(node) and not node.users:
                 module.graph.erase_node(node)
         module.recompile()
-        with self._patched("_fold_conv_bn_qat", _fast_fold_conv_bn_qat, spec.options.get("fast_fold", True)):
+        with self._patched("_fold_conv_bn_qat", _fast_fold_conv_bn_qat, spec.options.get("fast_fold", True)), \
+                trained_qparams(module, spec.options.get("trained_qparams", True)):
             converted = self.ao.convert_pt2e(module, fold_quantize=spec.options.get("fold_quantize", True))
         # convert_pt2e folds each weight's quantize into an int8 ``_frozen_param`` but leaves the fp32
         # weight (and the folded BatchNorm's parameters and statistics) attached: drop what the graph
