@@ -193,7 +193,8 @@ class TrainConfig:
 
     schema_version: int = field(default=SCHEMA_VERSION, metadata={"help": "version of this schema a recipe was written for"})
     seed: int = field(default=0, metadata={"help": "seeds data split, init and shuffling"})
-    ckpt_path: Optional[str] = field(default=None, metadata={"help": "resume from this checkpoint"})
+    ckpt_path: Optional[str] = field(default=None, metadata={"help": "resume from this checkpoint: a local file, checked (weights_only=True) against the model before training"})
+    allow_remote_ckpt: bool = field(default=False, metadata={"help": "let ckpt_path be a URL (downloaded, then checked like a local file); command line only, never a recipe"})
     data: Dict[str, Any] = field(default_factory=dict, metadata={"help": "_target_ data module class + its arguments"})
     model: Dict[str, Any] = field(default_factory=dict, metadata={"help": "_target_ LightningModule class + its arguments"})
     quant: QuantConf = field(default_factory=QuantConf, metadata={"help": "what to quantize, how and when"})
