@@ -226,7 +226,12 @@ def resolve_object(path: Any, kind: str, user_modules: Iterable[str] = ()) -> An
     module_name = ".".join(parts[:cut])
     obj: Any = module
     for i, name in enumerate(parts[cut:]):
-        obj = _lookup(obj, name)
+        try:
+            obj = _lookup(obj, name)
+        except Unresolved as exc:
+            if _under(module_name, IMPORTABLE + trusted):
+                raise  # a typo inside a trusted package: say so
+            raise NotAllowed(f"{exc}; only trusted packages are imported to look a name up") from None
         if isinstance(obj, types.ModuleType):
             # e.g. torch.nn.modules.module.torch.load: a walk through what a module imported
             raise NotAllowed(f"{'.'.join(parts[:cut + i + 1])} is a module reached as an attribute, not imported")
@@ -292,7 +297,10 @@ def check_class_paths(cfg: Any, user_modules: Iterable[str] = (), source: Option
         elif path not in TARGET_KEYS:
             errors.append(f"{path}={value!r}{where}: _target_ is allowed only as model._target_ and data._target_ "
                           "(nested objects are built by your model's code, not by the config)")
-        elif not isinstance(value, str) or "${" in value:
+        elif not isinstance(value, str):
+            errors.append(f"{path}={value!r}{where}: not an allowed class (a _target_ is a literal dotted class path)")
+        elif "${" in value:
+            # resolved later, it could name anything: the path must be visible to this check
             errors.append(f"{path}={value!r}{where}: must be a literal dotted class path (no interpolation)")
         else:
             kind = path.split(".")[0]

@@ -19,7 +19,7 @@ import yaml
 from qlightning.errors import ConfigError
 
 MAX_BYTES = 1 << 20  # 1 MiB: the shipped recipes are under 3 KiB
-MAX_NODES = 20_000  # scalars + mappings + sequences after expanding aliases; shipped recipes: < 300
+MAX_NODES = 10_000  # scalars + mappings + sequences after expanding aliases; shipped recipes: < 300
 MAX_ALIASES = 1_000
 MAX_DEPTH = 64
 

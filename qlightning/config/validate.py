@@ -46,8 +46,11 @@ def _raw(node: Any, key: Any) -> Any:
 
 def module_list_errors(cfg: Any) -> list[str]:
     """``quant.modules`` must be a flat list of names (a nested list used to be dropped silently)."""
-    quant = cfg.get("quant") if isinstance(cfg, DictConfig) else None
-    modules = quant.get("modules") if isinstance(quant, DictConfig) else None
+    try:
+        quant = cfg.get("quant") if isinstance(cfg, DictConfig) else None
+        modules = quant.get("modules") if isinstance(quant, DictConfig) else None
+    except Exception:  # an interpolation that does not resolve: reported by interpolation_errors
+        return []
     if modules is None:
         return []
     if not isinstance(modules, ListConfig):
