@@ -19,6 +19,7 @@ from typing import Any, Iterable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from qlightning.config.allowlist import check_class_paths
+from qlightning.config.checkpoint_check import is_remote
 from qlightning.config.safe_yaml import MAX_BYTES, load_mapping
 from qlightning.config.schema import SCHEMA_VERSION
 from qlightning.errors import ConfigError
@@ -96,6 +97,11 @@ def load(recipe: Recipe, user_trusted: Iterable[str] = ()) -> DictConfig:
         raise ConfigError(f"{where}: not a config OmegaConf can hold: {reason.split(' full_key:')[0]}") from None
     errors = [f"{where}: sets {key!r}, which a recipe may not set" for key in FORBIDDEN_KEYS if key in node]
     errors += check_class_paths(node, user_trusted, source=where)
+    ckpt = node._get_node("ckpt_path")._value() if "ckpt_path" in node else None
+    if ckpt is not None and (not isinstance(ckpt, str) or "${" in ckpt or is_remote(ckpt)):
+        # a URL (or what an interpolation could turn into one) only from the command line, with allow_remote_ckpt=true
+        errors.append(f"{where}: ckpt_path={ckpt!r}: a remote checkpoint is refused in a recipe; a recipe names a local file "
+                      "(literal path); give a URL on the command line with allow_remote_ckpt=true")
     version = node.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
         if isinstance(version, int) and version > SCHEMA_VERSION:

@@ -306,6 +306,8 @@ CHECKPOINTS = [
     ("ckpt_https", "ckpt_path: 'https://example.invalid/evil.ckpt'\n", "a remote checkpoint is refused"),
     ("ckpt_s3", "ckpt_path: 's3://bucket/evil.ckpt'\n", "a remote checkpoint is refused"),
     ("ckpt_file_url", "ckpt_path: 'file://{pkl}'\n", "a remote checkpoint is refused"),
+    ("ckpt_interpolated", "ckpt_path: ${{oc.env:EVIL_URL}}\n", "a remote checkpoint is refused in a recipe"),
+    ("ckpt_url_recipe_even_with_flag", "ckpt_path: 'http://127.0.0.1:9/evil.ckpt'\n", "a remote checkpoint is refused in a recipe"),
     ("ckpt_registry", "ckpt_path: registry\n", "give the path of a checkpoint file"),
     ("ckpt_last", "ckpt_path: last\n", "give the path of a checkpoint file"),
     ("ckpt_missing", "ckpt_path: '{dir}/nosuch.ckpt'\n", "nosuch.ckpt': no such file"),
@@ -340,12 +342,14 @@ def _fill(text, files) -> str | bytes:
 @pytest.mark.parametrize("name, text, fragment", CORPUS, ids=[c[0] for c in CORPUS])
 def test_hostile_or_bad_recipe_is_one_clear_message_and_runs_nothing(name, text, fragment, files, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("EVIL_TARGET", "os.system")
+    monkeypatch.setenv("EVIL_URL", "http://127.0.0.1:9/evil.ckpt")
     monkeypatch.delenv("QLIGHTNING_TEST_SURELY_UNSET", raising=False)
     recipe = tmp_path / f"{name}.yaml"
     filled = _fill(text, files)
     recipe.write_bytes(filled if isinstance(filled, bytes) else filled.encode())
     start = time.perf_counter()
-    code = cli_main(["recipes", "validate", str(recipe)])
+    flags = ["allow_remote_ckpt=true"] if name.endswith("_with_flag") else []
+    code = cli_main(["recipes", "validate", str(recipe), *flags])
     elapsed = time.perf_counter() - start
     err = capsys.readouterr().err
     assert not files["marker"].exists(), f"{name}: the payload ran"

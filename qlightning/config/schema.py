@@ -203,4 +203,4 @@ class TrainConfig:
     report: ReportConf = field(default_factory=ReportConf, metadata={"help": "the float / fake-quant / int8 report"})
     export: ExportConf = field(default_factory=ExportConf, metadata={"help": "exported artifacts"})
     parity: ParityConf = field(default_factory=ParityConf, metadata={"help": "the fake-vs-real parity gate"})
-    trusted_modules: List[str] = field(default_factory=list, metadata={"help": "module prefixes whose classes _target_ may name, beyond torch/torchao/torchmetrics/lightning/qlightning; command line or QLIGHTNING_TRUSTED_MODULES only, never a recipe"})
+    trusted_modules: List[str] = field(default_factory=list, metadata={"help": "your modules whose own classes and functions a config may name, beyond the built-in set (README: Security); command line or QLIGHTNING_TRUSTED_MODULES only, never a recipe"})
