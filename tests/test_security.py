@@ -552,3 +552,21 @@ def test_shipped_recipes_still_validate():
 
     for name in ("digits_fast", "digits_ptq", "lstm_dynamic", "lstm_static", "digits_w4a8_qat"):
         assert validate(name) == [], name
+
+
+def test_a_checkpoint_written_by_training_passes_the_check(tmp_path):
+    """Observer and fake-quant buffers change shape when they first observe: not a foreign model."""
+    import lightning.pytorch as pl
+
+    from qlightning.examples import DigitsDataModule
+
+    overrides = ["quant.schedule.fake_quant_start.epoch=0", "quant.convert_on_fit_end=false"]
+    callback = build_callback(compose_config(overrides))
+    trainer = pl.Trainer(max_steps=3, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, accelerator="cpu")
+    trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule())
+    trainer.save_checkpoint(tmp_path / "real.ckpt")
+    problems, _, _ = validate_config(compose_config([*overrides, f"ckpt_path={tmp_path / 'real.ckpt'}"]))
+    assert problems == []
+    other, _, _ = validate_config(compose_config([*overrides, "model.channels=[8,16,32]", f"ckpt_path={tmp_path / 'real.ckpt'}"]))
+    assert any("saved from another model" in p and "shape(s) differ" in p for p in other), other

@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 # (and "registry" downloads); qlightning wants the path of the file.
 SHORTCUTS = ("last", "best", "hpc", "registry")
 MAX_DOWNLOAD_BYTES = 8 << 30
+WEIGHT_NAMES = ("weight", "bias", "running_mean", "running_var", "weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
 
 
 def is_remote(path: str) -> bool:
@@ -98,9 +99,11 @@ def quant_state(checkpoint: dict) -> tuple[Optional[str], dict]:
 def _diff_keys(expected: dict, found: dict, shown: str) -> list[str]:
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]
+    # only the weights' shapes: observer and fake-quant buffers (min_val, scale, ...) start empty or
+    # per-tensor and take their shape when they first observe; torch.ao's loaders resize them
     shapes = [f"{k}: checkpoint {tuple(found[k].shape)}, model {tuple(expected[k].shape)}"
               for k in expected if k in found and hasattr(found[k], "shape") and hasattr(expected[k], "shape")
-              and tuple(found[k].shape) != tuple(expected[k].shape)]
+              and k.rsplit(".", 1)[-1] in WEIGHT_NAMES and tuple(found[k].shape) != tuple(expected[k].shape)]
     if not (missing or unexpected or shapes):
         return []
     parts = []
