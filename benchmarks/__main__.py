@@ -9,7 +9,7 @@ encoder, in one process per figure family, calls interleaved, medians of repeats
   qlightning PT2E engine;
 * float eager latency / int8 latency at batch 1 and 32: FX eager int8 (torch.ao ``convert_fx``),
   onnxruntime on the QDQ ONNX export, inductor on the q/dq graph, torchao PT2E + inductor, and what
-  ``qlightning.lowering.choose_lowering`` (``lowering=auto``) keeps;
+  ``qlightning.quantize.lowering.choose_lowering`` (``lowering=auto``) keeps;
 * peak RSS growth of one train step and bytes saved for backward, QAT / float (fresh processes);
 * FX prepare + convert time for 10 / 50 / 200 conv-bn-relu blocks and the first prepare in a fresh process.
 

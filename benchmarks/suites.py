@@ -120,7 +120,7 @@ def qat_step_ratios(spec: ModelSpec, repeats: int, clock: str, pt2e: bool = True
 
 def fast_path_equivalence(spec: ModelSpec, steps: int = 3) -> dict[str, Any]:
     """Train the torch.ao-prepared model and the fast one side by side from the same state; compare."""
-    from qlightning.engines.fast_fq import swap_fake_quant
+    from qlightning.engines.fx.fast_fq import swap_fake_quant
 
     torch.manual_seed(0)
     x, y = spec.inputs(spec.train_batch), spec.labels(spec.train_batch)
@@ -258,7 +258,7 @@ def warm_train(model: nn.Module, spec: ModelSpec, steps: int) -> nn.Module:
 def latency(spec: ModelSpec, batches: tuple[int, ...], repeats: int, clock: str, candidates: dict[int, tuple[str, ...]],
             pt2e_inductor_batches: tuple[int, ...], train_steps: int = 30) -> dict[str, Any]:
     """float eager vs every int8 runtime, per batch size; plus what ``lowering=auto`` picks."""
-    from qlightning.lowering import choose_lowering
+    from qlightning.quantize.lowering import choose_lowering
 
     torch.manual_seed(0)
     float_model = warm_train(spec.build(), spec, train_steps) if train_steps else spec.build().eval()
@@ -279,7 +279,7 @@ def latency(spec: ModelSpec, batches: tuple[int, ...], repeats: int, clock: str,
         x = spec.inputs(batch, seed=2)
         extra: dict[str, nn.Module] = {"float": float_model}
         if pt2e_int8 is not None and batch in pt2e_inductor_batches:
-            from qlightning.lowering import InductorModule
+            from qlightning.quantize.lowering import InductorModule
 
             start = time.perf_counter()
             try:

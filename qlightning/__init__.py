@@ -1,7 +1,7 @@
 """qlightning: quantization-aware training as a drop-in PyTorch Lightning callback."""
 
 from qlightning.callbacks import PostTrainingQuantization, QuantizationAwareTraining
-from qlightning.checkpoint import (
+from qlightning.callbacks.checkpoint import (
     AtomicCheckpointIO,
     ModelCheckpointWithFinalLast,
     QATCheckpointMixin,
@@ -10,7 +10,7 @@ from qlightning.checkpoint import (
 )
 from qlightning.engines import Inputs, QuantSpec, get_engine
 from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError, TraceError
-from qlightning.schedule import Milestone, Phase, Schedule
+from qlightning.core.schedule import Milestone, Phase, Schedule
 
 __version__ = "0.1.0"
 

@@ -31,3 +31,11 @@ class EngineUnavailableError(QLightningError, RuntimeError):
 
 class TraceError(QLightningError, RuntimeError):
     """A submodule could not be traced or prepared; the message says which and suggests a route."""
+
+
+class FidelityError(QLightningError, RuntimeError):
+    """The int8 model that would ship departs from the fake-quant model that trained; the message says where."""
+
+
+class IncompleteScheduleError(QLightningError, RuntimeError):
+    """A fit ended before its QAT schedule quantized anything; converting would ship uninitialised scales."""

@@ -81,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     args.outdir.mkdir(parents=True, exist_ok=True)
 
-    if args.no_sync:  # what the callback would do without qlightning.distributed
+    if args.no_sync:  # what the callback would do without qlightning.callbacks.distributed
         qlightning.callbacks.qat.broadcast_buffers = lambda trainer, modules, src=0: 0
 
     pl.seed_everything(0, verbose=False)

@@ -481,7 +481,7 @@ def test_trainer_checkpoint_report_and_convert_keys_reach_the_run(tmp_path):
 @pytest.mark.slow
 def test_every_shipped_recipe_composes_and_runs_a_short_fit(tmp_path):
     from qlightning import recipes_registry
-    from qlightning.app import train
+    from qlightning.run.app import train
 
     ran = []
     for name, recipe in sorted(recipes_registry.discover().items()):
@@ -509,7 +509,7 @@ def test_recipes_diff(capsys):
 
 def test_engine_options_reach_the_engine():
     """quant.engine_options.fast_qat=false gives torch.ao's modules untouched; the default the fast path."""
-    from qlightning.engines import fast_fq
+    from qlightning.engines.fx import fast_fq
 
     _, fast = prepared_net()
     _, plain = prepared_net("+quant.engine_options.fast_qat=false")

@@ -10,7 +10,7 @@ from torch import nn
 
 from qlightning import QuantizationAwareTraining
 from qlightning.cli import main as cli_main
-from qlightning.doctor import diagnose
+from qlightning.quantize.doctor import diagnose
 from qlightning.examples.custom_modules import (
     ElmanRNN,
     HybridClassifier,

@@ -12,7 +12,7 @@ from torch import nn
 from conftest import make_trainer, test_accuracy
 from qlightning import Inputs, QuantSpec
 from qlightning.callbacks.ptq import PostTrainingQuantization, ptq_baseline
-from qlightning.equalization import (
+from qlightning.quantize.equalization import (
     EqualizationPair,
     _rescale,
     cross_layer_equalization,
@@ -26,7 +26,7 @@ from qlightning.equalization import (
     weight_sqnr,
 )
 from qlightning.examples import DigitsClassifier, DigitsDataModule
-from qlightning.qconfigs import low_bit_qconfig, low_bit_qconfig_mapping
+from qlightning.engines.fx.qconfigs import low_bit_qconfig, low_bit_qconfig_mapping
 
 LAYERS = ["features.0.0", "features.1.0", "features.3.0", "classifier"]
 PER_TENSOR = QuantSpec(backend="x86", is_qat=False,

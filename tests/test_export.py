@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlightning.parity import sqnr_db, top1_agreement
+from qlightning.run.parity import sqnr_db, top1_agreement
 
 FORMATS = ("torchscript", "onnx", "pt2")
 FILES = {"torchscript": "int8_net.pt", "onnx": "int8_net.onnx", "pt2": "int8_net.pt2"}
@@ -137,7 +137,7 @@ def test_pt2_with_quantized_decomposed_ops(run_dir, int8_reference, tmp_path):
     from qlightning import QuantizationAwareTraining, restore
     from qlightning.engines import Inputs
     from qlightning.examples import DigitsClassifier
-    from qlightning.export import export_module, load_artifact
+    from qlightning.run.export import export_module, load_artifact
 
     images, expected = int8_reference
     qat = QuantizationAwareTraining(modules=["net"])

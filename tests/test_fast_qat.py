@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from qlightning import Inputs, Phase, QuantSpec, get_engine
-from qlightning.engines import fast_fq
+from qlightning.engines.fx import fast_fq
 from qlightning.examples.digits import DigitsCNN, DigitsDataModule
 
 

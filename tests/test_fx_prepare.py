@@ -14,7 +14,7 @@ from torch import nn
 from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, QConfig, default_weight_fake_quant
 
 from qlightning import Inputs, Phase, QuantSpec, get_engine
-from qlightning.engines.fx_prepare import faster_prepare
+from qlightning.engines.fx.prepare import faster_prepare
 from qlightning.examples.digits import DigitsCNN
 
 

@@ -11,7 +11,7 @@ from conftest import make_trainer
 from qlightning import ConfigError, QuantizationAwareTraining
 from qlightning.callbacks.ptq import PostTrainingQuantization
 from qlightning.examples import DigitsClassifier, DigitsDataModule
-from qlightning.qconfigs import (
+from qlightning.engines.fx.qconfigs import (
     clamp_quantized_weights,
     low_bit_qconfig,
     low_bit_qconfig_mapping,
@@ -73,7 +73,7 @@ def test_ptq_counterpart_keeps_bits_and_drops_fake_quant():
 def test_every_backend_accepts_w4a8_and_unsupported_qconfigs_are_detected(backend):
     from torch.ao.quantization import MinMaxObserver, QConfig
 
-    from qlightning.qconfigs import unsupported_types
+    from qlightning.engines.fx.qconfigs import unsupported_types
 
     low_bit_qconfig_mapping(backend, weight_bits=4)  # check=True: raises if Conv2d/Linear would stay float
     bad = QConfig(activation=MinMaxObserver.with_args(dtype=torch.quint8), weight=MinMaxObserver.with_args(dtype=torch.quint8))

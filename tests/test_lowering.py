@@ -16,7 +16,7 @@ from torch import nn
 
 from qlightning import Inputs, Phase, QuantSpec, get_engine
 from qlightning.examples.digits import DigitsCNN, DigitsDataModule
-from qlightning.lowering import (
+from qlightning.quantize.lowering import (
     BUILDERS,
     InductorModule,
     LoweringChoice,
@@ -25,7 +25,7 @@ from qlightning.lowering import (
     reference_qdq_module,
     source_of,
 )
-from qlightning.parity import sqnr_db, top1_agreement
+from qlightning.run.parity import sqnr_db, top1_agreement
 
 
 # ---------------------------------------------------------------------------------------------- fakes
@@ -296,7 +296,7 @@ def test_onnxruntime_module_survives_copy_and_pickle(trained_digits):
 
 
 def _context(fake_quant, int8, x):
-    from qlightning.lowering import LoweringContext
+    from qlightning.quantize.lowering import LoweringContext
 
     return LoweringContext(fake_quant, int8, Inputs((x,)))
 
@@ -332,8 +332,7 @@ def test_keyword_inputs_bind_to_positions_through_a_lowering_wrapper():
     keywords (``encoder(input_ids=..., attention_mask=...)``) must bind through the wrapper to the
     engine's module, not into the wrapper's ``**kwargs``."""
     from qlightning.engines.base import Inputs
-    from qlightning.export import positional_args
-    from qlightning.lowering import _attach_source
+    from qlightning.core.inputs import attach_source as _attach_source, positional_args
 
     class Encoder(nn.Module):
         def forward(self, input_ids, attention_mask=None):

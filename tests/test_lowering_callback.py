@@ -8,7 +8,7 @@ import torch
 from qlightning import QuantizationAwareTraining
 from qlightning.errors import ConfigError
 from qlightning.examples import DigitsClassifier, DigitsDataModule
-from qlightning.lowering import source_of
+from qlightning.quantize.lowering import source_of
 
 from conftest import make_trainer, test_accuracy
 
@@ -52,7 +52,7 @@ def test_lowering_fx_is_the_default_and_changes_nothing(trained_qat):
 def test_pt2e_lowered_by_inductor_through_the_callback():
     """quant.engine=pt2e quant.lowering=inductor: the compiled q/dq graph replaces the module; compile time is apart."""
     pytest.importorskip("torchao.quantization.pt2e")
-    from qlightning.lowering import InductorModule
+    from qlightning.quantize.lowering import InductorModule
 
     torch.manual_seed(0)
     dm = DigitsDataModule(seed=0)

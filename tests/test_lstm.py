@@ -59,7 +59,7 @@ def test_dynamic_lstm():
 def test_lstm_called_without_its_hidden_state_is_flagged_by_the_doctor():
     from torch import nn
 
-    from qlightning.doctor import diagnose
+    from qlightning.quantize.doctor import diagnose
 
     class Plain(nn.Module):
         def __init__(self) -> None:

@@ -36,7 +36,7 @@ def trained():
 
 
 def test_doctor_names_the_blocks_that_trace_and_the_route_for_those_that_do_not():
-    from qlightning.doctor import diagnose
+    from qlightning.quantize.doctor import diagnose
     from qlightning.examples.minilm import MiniLMDistillation
 
     report = diagnose(MiniLMDistillation())
@@ -166,7 +166,7 @@ def test_pt2e_encoder_saves_at_a_quarter_of_the_float_size_and_reloads(trained_p
     import sys
 
     from qlightning.examples.minilm import mean_pool
-    from qlightning.export import export_module
+    from qlightning.run.export import export_module
 
     model, dm, qat, _ = trained_pt2e
     buffer = io.BytesIO()
@@ -195,7 +195,7 @@ def test_pt2e_encoder_lowered_by_inductor_with_keyword_inputs(trained_pt2e):
     """lowering with torch.compile (inductor) of the int8 encoder, called as encoder(input_ids=..., attention_mask=...)."""
     from qlightning.engines import Inputs
     from qlightning.examples.minilm import mean_pool
-    from qlightning.lowering import InductorModule, choose_lowering
+    from qlightning.quantize.lowering import InductorModule, choose_lowering
 
     model, dm, qat, _ = trained_pt2e
     ids, mask = dm.collate(list(dm.held_out_sentences[:8]))

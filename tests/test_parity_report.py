@@ -12,10 +12,12 @@ import torch
 
 from conftest import make_trainer
 from qlightning import QuantizationAwareTraining
-from qlightning import export as exporting
-from qlightning.artifacts import export_and_check, markdown_sections, section
+from qlightning.run import export as exporting
+from qlightning.config.schema import section
+from qlightning.run.artifacts import export_and_check
+from qlightning.run.report import markdown_sections
 from qlightning.examples import DigitsClassifier, DigitsDataModule
-from qlightning.parity import ParityError, sqnr_db, top1_agreement
+from qlightning.run.parity import ParityError, sqnr_db, top1_agreement
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 QUANTIZED_LAYERS = ["net.features.0.0", "net.features.1.0", "net.features.3.0", "net.classifier"]
@@ -128,7 +130,7 @@ def test_plots_are_pngs_with_the_expected_layers(report):
 
 
 def test_scale_evolution_plot_from_csv_metrics(tmp_path):
-    from qlightning import plots
+    from qlightning.run import plots
 
     rows = ["epoch,step,qat/fake_quant,qat/observe,qat/bn_frozen,qat/scale/net.activation_post_process_1,train/loss"]
     for step in range(0, 60, 5):
@@ -198,7 +200,7 @@ def test_clipping_artifact_is_caught(qat_run, tmp_path, monkeypatch):
 
 def test_report_written_before_the_run_ends_has_no_made_up_wall_time():
     """A failing gate writes report.md before the run's wall time exists: the sentence is left out, not 'nan'."""
-    from qlightning.report import to_markdown
+    from qlightning.run.report import to_markdown
 
     report = {
         "modules": ["net"], "engine": "fx", "backend": "x86",

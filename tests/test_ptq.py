@@ -22,7 +22,7 @@ from qlightning.callbacks.ptq import (
 )
 from qlightning.examples import DigitsClassifier, DigitsDataModule
 from qlightning.examples.digits import ClassifierModule
-from qlightning.qconfigs import ptq_qconfig_mapping
+from qlightning.engines.fx.qconfigs import ptq_qconfig_mapping
 
 
 def int8_layers(net: nn.Module) -> dict[str, int]:

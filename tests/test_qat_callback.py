@@ -344,5 +344,5 @@ def test_fx_engine_missing_gives_a_clear_error_and_import_still_works(engine):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "ERR quant.engine='fx' needs torch.ao FX graph mode quantization" in out.stdout
-    assert "use quant.engine=pt2e" in out.stdout
+    assert "ERR engine='fx' needs torch.ao FX graph mode quantization" in out.stdout
+    assert "use engine='pt2e'" in out.stdout

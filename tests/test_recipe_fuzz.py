@@ -59,12 +59,12 @@ def _attribute_paths() -> list[str]:
     import torch.nn.modules.module
 
     import qlightning
-    import qlightning.app
+    import qlightning.run.app
     import qlightning.examples
 
     modules = [builtins, functools, importlib, operator, os, pathlib, pickle, shutil, subprocess, hydra, hydra.utils,
                lightning.pytorch, numpy, omegaconf, torch, torch.nn, torch.nn.modules.module, torch.ao.quantization,
-               qlightning, qlightning.app, qlightning.examples]
+               qlightning, qlightning.run.app, qlightning.examples]
     paths: set[str] = set()
     for module in modules:
         for name, value in sorted(vars(module).items())[:600]:
@@ -201,5 +201,5 @@ def test_generated_recipes_many(recipe, trick):
 def test_the_attribute_tree_holds_the_dangerous_names():
     """The generator can reach what issue 15 reported (else the property proves little)."""
     for path in ("os.system", "subprocess.Popen", "pickle.loads", "builtins.exec", "operator.methodcaller",
-                 "hydra.utils.get_method", "numpy.load", "torch.load", "qlightning.app.Path", "torch.nn.modules.module.torch"):
+                 "hydra.utils.get_method", "numpy.load", "torch.load", "qlightning.run.app.Path", "torch.nn.modules.module.torch"):
         assert path in PATHS, path

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from conftest import make_trainer, test_accuracy
 from qlightning import ConfigError, QuantizationAwareTraining, restore
-from qlightning.checkpoint import (
+from qlightning.callbacks.checkpoint import (
     AtomicCheckpointIO,
     ModelCheckpointWithFinalLast,
     QATCheckpointMixin,
@@ -267,7 +267,7 @@ def test_last_checkpoint_holds_the_final_steps(tmp_path):
 
 KEEP_SAVING = """
 import sys, torch
-from qlightning.checkpoint import AtomicCheckpointIO
+from qlightning.callbacks.checkpoint import AtomicCheckpointIO
 io, state = AtomicCheckpointIO(), {"w": torch.randn(2_000_000), "i": 0}
 while True:
     state["i"] += 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qlightning import QuantizationAwareTraining
-from qlightning.distributed import dumps_modules, loads_modules
+from qlightning.callbacks.distributed import dumps_modules, loads_modules
 from qlightning.engines import Inputs
 from qlightning.errors import ConfigError, QLightningError
 from qlightning.examples import DigitsClassifier
@@ -48,7 +48,7 @@ def test_main_process_rebuilds_rank_zeros_fake_quant_and_int8_models():
     """What the main process makes of rank 0's payload (QAT._restore_in_main_process, here in one
     process): the int8 model unpickled, the fake-quant model prepared again (with the engine's fast
     training paths) and loaded strictly with rank 0's state."""
-    from qlightning.engines import fast_fq
+    from qlightning.engines.fx import fast_fq
 
     model, qat = _converted_digits()
     payload = qat._main_process_payload(model)

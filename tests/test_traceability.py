@@ -110,7 +110,7 @@ def _with(model, qat):
     """The model's net with every converted block replaced by its fake-quant copy."""
     import copy
 
-    from qlightning.callbacks.qat import _set_submodule
+    from qlightning.core.session import set_submodule as _set_submodule
 
     twin = copy.deepcopy(model)
     for name, module in qat.fake_quant_modules.items():

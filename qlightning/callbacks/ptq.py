@@ -7,9 +7,8 @@ QAT runs that want a float / PTQ / QAT comparison.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -18,10 +17,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from qlightning.callbacks.qat import _as_inputs, _set_submodule, check_common_arguments
-from qlightning.capture import _RandomStates, capture_inputs, evaluating, example_inputs_for, resolve_targets
-from qlightning.distributed import broadcast_buffers
-from qlightning.engines import BACKENDS, ENGINES, Inputs, QuantEngine, QuantSpec, get_engine
+from qlightning.callbacks import lightning_compat as compat
+from qlightning.callbacks.base import SessionCallback, check_common_arguments
+from qlightning.callbacks.calibration_data import _STEP, calibration_batches, collect_inputs
+from qlightning.callbacks.distributed import broadcast_buffers
+from qlightning.core.inputs import Inputs, RandomStates, as_inputs, capture_inputs, evaluating, example_inputs_for, resolve_targets
+from qlightning.core.session import QuantSession, set_submodule
+from qlightning.engines import BACKENDS, ENGINES, QuantEngine, QuantSpec, get_engine
+from qlightning.quantize.calibration import calibrate, calibrate_and_convert, float_module_from, run_to_targets, spec_for_ptq
+from qlightning.quantize.ptq import apply_cle, equalization_mapping, ptq_baseline
 from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError, TraceError
 
 MODES = ("static", "dynamic", "weight_only")
@@ -29,317 +33,18 @@ SOURCES = ("train", "val")
 CLE_CHOICES = (False, True, "selective")
 EQUALIZATION_CHOICES = ("all", "selective")
 STATE_VERSION = 1
-_STEP = {"train": "training_step", "val": "validation_step"}
-
-
-class _TargetsDone(Exception):
-    """Raised from a forward hook once every target submodule has run on the current batch."""
 
 
 # ---------------------------------------------------------------------- running a step up to the targets
 
 
-def run_to_targets(
-    pl_module: nn.Module,
-    targets: Sequence[str],
-    run: Callable[[], Any],
-    on_input: Optional[Callable[[str, Inputs], None]] = None,
-) -> list[str]:
-    """Call ``run()`` (a step of ``pl_module``) under ``no_grad`` in eval mode and stop as soon as
-    every target submodule has finished its forward; returns the targets that ran.
-
-    The rest of the step (loss, metrics, ``self.log``) never runs, so calibration does not touch
-    metric states or the logger. ``on_input(name, inputs)`` sees each target's inputs.
-    A target called several times in one step is observed on its first call only.
-    """
-    done: list[str] = []
-    handles = []
-
-    def make_hooks(name: str) -> tuple[Callable[..., None], Callable[..., None]]:
-        def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if on_input is not None and name not in done:
-                on_input(name, Inputs(tuple(args), dict(kwargs)))
-
-        def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if name not in done:
-                done.append(name)
-            if len(done) == len(targets):
-                raise _TargetsDone
-
-        return pre, post
-
-    for name in targets:
-        pre, post = make_hooks(name)
-        module = pl_module.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True))
-    try:
-        with evaluating(pl_module):
-            run()
-    except _TargetsDone:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return done
-
-
-def _move(batch: Any, pl_module: nn.Module, trainer: Optional["pl.Trainer"]) -> Any:
-    device = getattr(pl_module, "device", None)
-    if trainer is not None and hasattr(pl_module, "_apply_batch_transfer_handler"):
-        return pl_module._apply_batch_transfer_handler(batch, device=device)  # the user's transfer hooks too
-    if device is None:
-        return batch
-    from lightning.fabric.utilities.apply_func import move_data_to_device
-
-    return move_data_to_device(batch, device)
-
-
-def collect_inputs(
-    pl_module: "pl.LightningModule",
-    targets: Sequence[str],
-    batches: Iterable[Any],
-    source: str = "train",
-    trainer: Optional["pl.Trainer"] = None,
-) -> dict[str, list[Inputs]]:
-    """Inputs each target submodule receives on ``batches``, running ``training_step`` (source
-    ``"train"``) or ``validation_step`` (``"val"``) up to the targets. Kept in memory: use a few batches."""
-    collected: dict[str, list[Inputs]] = {name: [] for name in targets}
-    step = getattr(pl_module, _STEP[source])
-
-    def keep(name: str, inputs: Inputs) -> None:
-        collected[name].append(Inputs(_detach(inputs.args), _detach(inputs.kwargs)))
-
-    with _RandomStates():
-        for i, batch in enumerate(batches):
-            batch = _move(batch, pl_module, trainer)
-            run_to_targets(pl_module, targets, lambda: step(batch, i), on_input=keep)
-    return collected
-
-
-def _detach(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detach(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detach(v) for k, v in value.items()}
-    return value
-
-
-def calibration_batches(trainer: "pl.Trainer", source: str, num_batches: Optional[int]) -> Iterator[Any]:
-    """Up to ``num_batches`` batches (all when ``None``) of a fresh train or val loader of ``trainer``."""
-    loop = trainer.fit_loop if source == "train" else trainer.validate_loop
-    data_source = loop._data_source
-    if not data_source.is_defined() or data_source.instance is None:
-        raise QLightningError(
-            f"PostTrainingQuantization: calibrate_on={source!r} but the Trainer has no "
-            f"{'train' if source == 'train' else 'validation'} dataloader; pass a datamodule or "
-            f"{'train_dataloaders' if source == 'train' else 'val_dataloaders'}, or choose calibrate_on="
-            f"{'val' if source == 'train' else 'train'!r}"
-        )
-    loaders = data_source.dataloader()
-    if isinstance(loaders, (list, tuple)):
-        loaders = loaders[0]
-    elif isinstance(loaders, Mapping):
-        from lightning.pytorch.utilities import CombinedLoader
-
-        loaders = CombinedLoader(dict(loaders), mode="max_size_cycle")
-        iter(loaders)  # a CombinedLoader needs iter() before len(); yields (batch, idx, dl_idx)
-        return (b[0] for b in itertools.islice(loaders, num_batches))
-    return itertools.islice(iter(loaders), num_batches)
-
-
 # ---------------------------------------------------------------------- PTQ of a module on inputs
-
-
-def _spec_for_ptq(spec: QuantSpec, qconfig_mapping: Any, equalization_config: Any) -> QuantSpec:
-    mapping = qconfig_mapping
-    if mapping is None and spec.qconfig_mapping is not None:
-        mapping = spec.qconfig_mapping
-        if spec.is_qat:  # a QAT mapping (fake-quants): its PTQ counterpart, same dtypes and ranges
-            from qlightning.qconfigs import ptq_qconfig_mapping
-
-            mapping = ptq_qconfig_mapping(mapping)
-    options = dict(spec.options)
-    options.pop("equalization_config", None)
-    if equalization_config is not None:
-        options["equalization_config"] = equalization_config
-    return dataclasses.replace(spec, is_qat=False, qconfig_mapping=mapping, options=options)
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Inputs):
-        return Inputs(_to_device(value.args, device), _to_device(value.kwargs, device))
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
-
-
-def calibrate(module: nn.Module, inputs: Iterable[Any]) -> int:
-    """Run ``module`` on every input (eval, no_grad) so its observers see them; returns the count."""
-    n = 0
-    with torch.no_grad():
-        module.eval()
-        for item in inputs:
-            inp = _as_inputs(item)
-            module(*inp.args, **inp.kwargs)
-            n += 1
-    return n
-
-
-def calibrate_and_convert(
-    float_module: nn.Module,
-    inputs: Sequence[Any],
-    spec: QuantSpec,
-    engine: Union[str, QuantEngine] = "fx",
-    equalization_config: Any = None,
-) -> nn.Module:
-    """Static PTQ of a deep copy of ``float_module``: prepare with ``spec`` (as PTQ), calibrate on
-    ``inputs`` (first one = example inputs), convert. ``float_module`` is not modified."""
-    engine = get_engine(engine) if isinstance(engine, str) else engine
-    inputs = [_as_inputs(i) for i in inputs]
-    if not inputs:
-        raise QLightningError("PTQ needs at least one calibration input")
-    spec = _spec_for_ptq(spec, None, equalization_config)
-    module = copy.deepcopy(float_module).eval()
-    prepared = engine.prepare(module, inputs[0], spec)
-    calibrate(prepared, inputs)
-    return engine.convert(prepared, spec)
-
-
-def ptq_baseline(
-    float_module: nn.Module,
-    inputs: Iterable[Any],
-    spec: Optional[QuantSpec] = None,
-    *,
-    engine: Union[str, QuantEngine] = "fx",
-    num_batches: Optional[int] = None,
-    qconfig_mapping: Any = None,
-    equalization: Any = None,
-    cross_layer_equalization: Union[bool, str] = False,
-) -> nn.Module:
-    """Static PTQ of a copy of a float module on given inputs: the int8 baseline next to QAT.
-
-    Args:
-        float_module: the float submodule (not modified; with BatchNorm running statistics).
-        inputs: the submodule's inputs (``Inputs``, tensors, tuples or dicts); the first is also
-            the example input for tracing. Only the first ``num_batches`` are used.
-        spec: the QAT run's :class:`QuantSpec` (backend, custom configs). A QAT qconfig mapping is
-            turned into its PTQ counterpart (:func:`qlightning.qconfigs.ptq_qconfig_mapping`);
-            ``None`` = the backend's default PTQ mapping.
-        qconfig_mapping: a PTQ mapping to use instead.
-        equalization: ``None``, ``"all"``, a list of layer names, ``"selective"`` or a
-            ``QConfigMapping`` for FX input-weight equalization.
-        cross_layer_equalization: ``True`` / ``"selective"``: data-free CLE on the copy first.
-
-    Returns:
-        the converted int8 module (the callback's ``backend``), on the device of the inputs.
-    """
-    spec = spec or QuantSpec(is_qat=False)
-    device = next((p.device for p in float_module.parameters()), torch.device("cpu"))
-    items = [_as_inputs(_to_device(i, device)) for i in itertools.islice(iter(inputs), num_batches)]
-    module = copy.deepcopy(float_module).eval()
-    spec = _spec_for_ptq(spec, qconfig_mapping, None)
-    _apply_cle(module, cross_layer_equalization, spec)
-    eq = _equalization_mapping(module, equalization, items, spec, engine)
-    return calibrate_and_convert(module, items, spec, engine=engine, equalization_config=eq)
-
-
-def float_module_from(float_module: nn.Module, prepared: nn.Module, state: Optional[Mapping[str, torch.Tensor]] = None) -> nn.Module:
-    """A CPU float copy of the module a QAT-prepared one was made from, with the prepared one's values.
-
-    ``prepare_qat_fx`` keeps the float module's Parameter objects (and, on CPU, its BatchNorm
-    buffers), so a reference to the float module kept at preparation is enough to rebuild a float
-    module: each parameter is matched to the prepared module's parameter by identity, each
-    BatchNorm's statistics to the prepared BatchNorm sharing its ``weight`` (a ``.to(device)``
-    replaces buffers, never Parameter objects). Values come from ``prepared`` itself, or from
-    ``state``, a state dict of ``prepared`` saved earlier (e.g. the QAT callback's
-    ``float_snapshot[name]`` taken when fake-quant started). Anything unmatched keeps the float
-    module's own value.
-    """
-    param_names: dict[int, str] = {}
-    for name, param in prepared.named_parameters(remove_duplicate=False):
-        param_names.setdefault(id(param), name)
-    bn_by_weight = {
-        id(m.weight): (name, m) for name, m in prepared.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None
-    }
-
-    def value(name: str, live: torch.Tensor) -> torch.Tensor:
-        return (state[name] if state is not None else live).detach()
-
-    snapshot = copy.deepcopy(float_module)
-    with torch.no_grad():
-        for (_, original), (_, copied) in zip(float_module.named_parameters(), snapshot.named_parameters()):
-            name = param_names.get(id(original))
-            if name is not None:
-                copied.copy_(value(name, prepared.get_parameter(name)).to(copied.device))
-        for (_, original), (_, copied) in zip(float_module.named_modules(), snapshot.named_modules()):
-            if isinstance(original, nn.modules.batchnorm._BatchNorm) and original.weight is not None:
-                match = bn_by_weight.get(id(original.weight))
-                if match is None or not original.track_running_stats:
-                    continue
-                prefix, live = match
-                for buf in ("running_mean", "running_var", "num_batches_tracked"):
-                    getattr(copied, buf).copy_(value(f"{prefix}.{buf}", getattr(live, buf)).to(getattr(copied, buf).device))
-    return snapshot.cpu().eval()
-
-
-def _weight_observer(spec: QuantSpec) -> Any:
-    """The weight observer of the global qconfig the PTQ spec will use (for weight SQNR)."""
-    from qlightning.engines.fx import quiet_torch_ao
-
-    mapping = spec.qconfig_mapping
-    if mapping is None:
-        with quiet_torch_ao():
-            from torch.ao.quantization import get_default_qconfig_mapping
-
-            mapping = get_default_qconfig_mapping(spec.backend)
-    qconfig = getattr(mapping, "global_qconfig", None)
-    return None if qconfig is None else qconfig.weight
-
-
-def _apply_cle(module: nn.Module, mode: Union[bool, str], spec: QuantSpec) -> Optional[Any]:
-    from qlightning.equalization import cross_layer_equalization, selective_cross_layer_equalization, weight_sqnr
-
-    if mode is True:
-        observer = _weight_observer(spec)
-        before = weight_sqnr(module, observer)
-        result = cross_layer_equalization(module)
-        result.sqnr_before, result.sqnr_after = before, weight_sqnr(module, observer)
-        return result
-    if mode == "selective":
-        return selective_cross_layer_equalization(module, _weight_observer(spec))
-    return None
-
-
-def _equalization_mapping(module: nn.Module, how: Any, inputs: Sequence[Inputs], spec: QuantSpec,
-                          engine: Union[str, QuantEngine], details: Optional[dict] = None) -> Any:
-    from qlightning.equalization import input_weight_equalization_mapping, select_input_weight_equalization
-
-    if how is None:
-        return None
-    if how == "all":
-        return input_weight_equalization_mapping(module)
-    if how == "selective":
-        mapping, info = select_input_weight_equalization(module, inputs, spec, engine=engine)
-        if details is not None:
-            details.update(info)
-        return mapping
-    if isinstance(how, (list, tuple)):
-        return input_weight_equalization_mapping(module, how)
-    return how  # a QConfigMapping given as is
 
 
 # ---------------------------------------------------------------------- the callback
 
 
-class PostTrainingQuantization(Callback):
+class PostTrainingQuantization(SessionCallback, Callback):
     """Post-training quantization of chosen submodules of a LightningModule, in place.
 
     The model is trained in float (or loaded); the callback quantizes it once, at the first of:
@@ -366,8 +71,8 @@ class PostTrainingQuantization(Callback):
         calibrate_on: ``"train"`` or ``"val"``: the loader calibration batches come from.
         num_calibration_batches: how many (``None`` = the whole loader). Static mode only.
         qconfig_mapping: native mapping (FX ``QConfigMapping``); ``None`` = the backend's default
-            PTQ mapping (static) or :func:`qlightning.qconfigs.dynamic_qconfig_mapping` (dynamic).
-            :func:`qlightning.qconfigs.low_bit_qconfig_mapping` gives 4-bit weights.
+            PTQ mapping (static) or :func:`qlightning.engines.fx.qconfigs.dynamic_qconfig_mapping` (dynamic).
+            :func:`qlightning.engines.fx.qconfigs.low_bit_qconfig_mapping` gives 4-bit weights.
         prepare_custom_config, convert_custom_config, backend_config: native FX configs.
         example_inputs: ``{module_name: tensor | tuple | dict}`` instead of capturing them from
             ``example_input_array`` or the first calibration batch.
@@ -376,7 +81,7 @@ class PostTrainingQuantization(Callback):
             SQNR improves; keeps the calibration inputs in memory) or a ``QConfigMapping``.
         cross_layer_equalization: ``True`` for data-free cross-layer equalization of each float
             submodule before preparing, ``"selective"`` to keep it only where per-layer weight
-            SQNR improves (:mod:`qlightning.equalization`).
+            SQNR improves (:mod:`qlightning.quantize.equalization`).
         dynamic_fallback: dynamic modes: ``"eager"`` (default) falls back to eager
             ``quantize_dynamic`` when FX cannot trace; ``None`` raises the trace error.
         keep_float: keep a float copy of each submodule in :attr:`float_modules`.
@@ -463,9 +168,10 @@ class PostTrainingQuantization(Callback):
         self.dynamic_fallback = dynamic_fallback
         self.keep_float = keep_float
         if mode in ("dynamic", "weight_only") and qconfig_mapping is None:
-            from qlightning.qconfigs import dynamic_qconfig_mapping
+            from qlightning.engines.fx.qconfigs import dynamic_qconfig_mapping
 
             qconfig_mapping = dynamic_qconfig_mapping(mode)
+        self.session = QuantSession(self._engine, QuantSpec(), names, kind="ptq")  # type: ignore[arg-type]
         self.spec = QuantSpec(
             backend=backend,
             qconfig_mapping=qconfig_mapping,
@@ -475,19 +181,15 @@ class PostTrainingQuantization(Callback):
             is_qat=False,
             options=dict(engine_options or {}),
         )
-        if not errors and hasattr(self.engine, "resolve_spec"):
+        if not errors:
             try:  # plain-data configs (dicts, OmegaConf nodes) -> native objects, as for QAT
                 self.spec = self.engine.resolve_spec(self.spec, errors)
             except EngineUnavailableError:
                 pass  # raised again in setup, where the engine is needed
         if errors:
             raise ConfigError(errors)
-        self.example_inputs = {k: _as_inputs(v) for k, v in (example_inputs or {}).items()}
-
-        self.targets: list[str] = []
-        self.converted = False
-        self.inputs: dict[str, Inputs] = {}
-        self.float_modules: dict[str, nn.Module] = {}
+        self.example_inputs = {k: as_inputs(v) for k, v in (example_inputs or {}).items()}
+        self.session.example_inputs = self.example_inputs
         #: per target: how it was converted ("fx", "pt2e", "eager") and what equalization did
         self.details: dict[str, dict[str, Any]] = {}
         self.num_calibrated = 0
@@ -496,6 +198,7 @@ class PostTrainingQuantization(Callback):
     def engine(self) -> QuantEngine:
         if self._engine is None:
             self._engine = get_engine(self._engine_arg if self.mode == "static" else "fx")  # type: ignore[arg-type]
+        self.session.engine = self._engine
         return self._engine
 
     @property
@@ -578,7 +281,7 @@ class PostTrainingQuantization(Callback):
             if batches is None:
                 if trainer is None:
                     raise QLightningError("PostTrainingQuantization.quantize: give a trainer or calibration batches")
-                with _RandomStates():
+                with RandomStates():
                     batches = calibration_batches(trainer, self.calibrate_on, self.num_calibration_batches)
             elif self.num_calibration_batches is not None:
                 batches = itertools.islice(iter(batches), self.num_calibration_batches)
@@ -589,7 +292,7 @@ class PostTrainingQuantization(Callback):
         rank_zero_info(f"[qlightning] PTQ ({self.mode}, {self.backend}) of {self.targets} ({how}){calibrated}")
 
     def _quantize_dynamic(self, pl_module: "pl.LightningModule") -> None:
-        from qlightning.qconfigs import quantize_dynamic_eager
+        from qlightning.engines.fx.qconfigs import quantize_dynamic_eager
 
         for name in self.targets:
             float_module = pl_module.get_submodule(name)
@@ -609,15 +312,15 @@ class PostTrainingQuantization(Callback):
             if inputs is not None:
                 self.inputs[name] = inputs
             self.details.setdefault(name, {})["path"] = path
-            _set_submodule(pl_module, name, quantized)
+            set_submodule(pl_module, name, quantized)
 
     def _quantize_static(self, pl_module: "pl.LightningModule", trainer: Optional["pl.Trainer"], batches: Iterable[Any]) -> None:
         iterator = iter(batches)
-        with _RandomStates():
+        with RandomStates():
             first = next(iterator, None)
         if first is None:
             raise QLightningError(f"PostTrainingQuantization: the {self.calibrate_on} loader yielded no batch to calibrate on")
-        first = _move(first, pl_module, trainer)
+        first = compat.to_module_device(first, pl_module, trainer)
         step = getattr(pl_module, _STEP[self.calibrate_on])
         self.inputs = self._example_inputs(pl_module, step, first)
         selective_eq = self.equalization == "selective"
@@ -632,19 +335,19 @@ class PostTrainingQuantization(Callback):
                 self.float_modules[name] = copy.deepcopy(float_module).eval()
             details = self.details.setdefault(name, {"path": self.engine.name})
             float_module.eval()
-            cle = _apply_cle(float_module, self.cross_layer_equalization, self.spec)
+            cle = apply_cle(float_module, self.cross_layer_equalization, self.spec)
             if cle is not None:
                 details["cross_layer_equalization"] = cle.summary()
-            eq = _equalization_mapping(float_module, self.equalization, cached.get(name, []), self.spec,
+            eq = equalization_mapping(float_module, self.equalization, cached.get(name, []), self.spec,
                                        self.engine, details.setdefault("equalization", {}))
             if eq is None:
                 details.pop("equalization", None)
             else:
-                from qlightning.equalization import equalized_layers
+                from qlightning.quantize.equalization import equalized_layers
 
                 details.setdefault("equalization", {})["layers"] = equalized_layers(eq)
-            spec = _spec_for_ptq(self.spec, None, eq)
-            _set_submodule(pl_module, name, self.engine.prepare(float_module, self.inputs[name], spec))
+            spec = spec_for_ptq(self.spec, None, eq)
+            set_submodule(pl_module, name, self.engine.prepare(float_module, self.inputs[name], spec))
             details["spec"] = spec
         prepared = {name: pl_module.get_submodule(name) for name in self.targets}
         for module in prepared.values():
@@ -655,8 +358,8 @@ class PostTrainingQuantization(Callback):
                 calibrate(prepared[name], cached[name])
             self.num_calibrated = len(cached[self.targets[0]])
         else:
-            with _RandomStates():
-                for i, batch in enumerate(itertools.chain([first], (_move(b, pl_module, trainer) for b in iterator))):
+            with RandomStates():
+                for i, batch in enumerate(itertools.chain([first], (compat.to_module_device(b, pl_module, trainer) for b in iterator))):
                     ran = run_to_targets(pl_module, self.targets, lambda: step(batch, i))
                     if i == 0 and len(ran) < len(self.targets):
                         missing = [t for t in self.targets if t not in ran]
@@ -670,7 +373,7 @@ class PostTrainingQuantization(Callback):
         for name, module in prepared.items():
             self.engine.set_observers(module, False)
             spec = self.details[name].pop("spec")
-            _set_submodule(pl_module, name, self.engine.convert(module, spec))
+            set_submodule(pl_module, name, self.engine.convert(module, spec))
 
     def _example_inputs(self, pl_module: "pl.LightningModule", step: Callable[..., Any], first: Any) -> dict[str, Inputs]:
         found = dict(self.example_inputs)

@@ -11,14 +11,14 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelPruning
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.nn.utils import prune
 from typing_extensions import override
 
-from qlightning.capture import example_inputs_for, resolve_targets
-from qlightning.distributed import (
+from qlightning.callbacks import lightning_compat as compat
+from qlightning.callbacks.base import SessionCallback, check_common_arguments
+from qlightning.callbacks.distributed import (
     broadcast_buffers,
     broadcast_object,
     dumps_modules,
@@ -26,67 +26,22 @@ from qlightning.distributed import (
     loads_modules,
     pickle_whole_for_new_processes,
 )
-from qlightning.engines import BACKENDS, ENGINES, Inputs, QuantEngine, QuantSpec, check_engine_options, get_engine
-from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError
-from qlightning.schedule import MilestoneLike, Phase, Schedule
+from qlightning.core.inputs import RandomStates, as_inputs, attach_source, resolve_targets
+from qlightning.core.fidelity import FidelityConfig, ModuleFidelity, compare_modules
+from qlightning.core.schedule import AUTO, AutoSchedule, MilestoneLike, Phase, Schedule, unreachable
+from qlightning.core.session import QuantSession, has_submodule, set_submodule
+from qlightning.engines import QuantEngine, QuantSpec, check_engine_options
+from qlightning.errors import ConfigError, EngineUnavailableError, FidelityError, IncompleteScheduleError, QLightningError
+from qlightning.quantize.lowering import CANDIDATES
 
 STAGES = ("train", "validate", "test", "predict")
+ON_INCOMPLETE = ("calibrate", "error")
+# fake-quant ops (fused_moving_avg_obs_fake_quant, torchao's fake-quant) run in float32 only
+FLOAT32_PRECISIONS = ("32-true", "32", 32, "64-true", "64", 64)
 STATE_VERSION = 1
 
 
-def check_common_arguments(modules: Any, backend: str, engine: Any, errors: list[str]) -> list[str]:
-    """The checks QAT and PTQ callbacks share: module names, backend, engine. Returns the names."""
-    names = [modules] if isinstance(modules, str) else list(modules)
-    if not names or not all(isinstance(n, str) and n for n in names):
-        errors.append(f"modules={modules!r}: give one or more submodule names, e.g. ['net']")
-    if backend not in BACKENDS:
-        errors.append(f"backend={backend!r}: unknown backend; valid choices: {list(BACKENDS)}")
-    elif backend not in torch.backends.quantized.supported_engines:
-        errors.append(
-            f"backend={backend!r}: not available in this torch build; available: "
-            f"{[b for b in BACKENDS if b in torch.backends.quantized.supported_engines]}"
-        )
-    if isinstance(engine, str) and engine not in ENGINES:
-        errors.append(f"engine={engine!r}: unknown engine; valid choices: {list(ENGINES)}")
-    return names
-
-
-def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    if isinstance(parent, (nn.Sequential, nn.ModuleList)) and child.isdigit():
-        parent[int(child)] = module
-    else:
-        setattr(parent, child, module)
-
-
-def _has_submodule(root: nn.Module, name: str) -> bool:
-    try:
-        root.get_submodule(name)
-    except AttributeError:
-        return False
-    return True
-
-
-def _remove_pruning(module: nn.Module) -> None:
-    """Make ``torch.nn.utils.prune`` masks permanent (``ModelPruning(make_pruning_permanent=False)`` keeps them)."""
-    for sub in module.modules():
-        for hook in list(sub._forward_pre_hooks.values()):
-            if isinstance(hook, prune.BasePruningMethod):
-                prune.remove(sub, hook._tensor_name)
-
-
-def _as_inputs(value: Any) -> Inputs:
-    if isinstance(value, Inputs):
-        return value
-    if isinstance(value, torch.Tensor):
-        return Inputs((value,))
-    if isinstance(value, Mapping):
-        return Inputs((), dict(value))
-    return Inputs(tuple(value))
-
-
-class QuantizationAwareTraining(Callback):
+class QuantizationAwareTraining(SessionCallback, Callback):
     """Quantization-aware training of chosen submodules of a LightningModule.
 
     The named submodules are fused, traced and prepared for QAT when fit starts: after
@@ -106,6 +61,12 @@ class QuantizationAwareTraining(Callback):
         engine: ``"fx"`` (torch.ao FX graph mode) or ``"pt2e"`` (torchao PT2E), or an engine instance.
         fake_quant_start: when fake-quant turns on, ``{"epoch": N}`` or ``{"step": N}``;
             ``None`` = from the first step. Observers run from the first step regardless.
+            ``"auto"`` (the default, with the two below also ``"auto"``): the schedule is derived
+            from the run's length (``trainer.estimated_stepping_batches``): float for the first half
+            of the steps, fake-quant after, observers frozen for the last 15 %, BatchNorm never frozen
+            (:class:`~qlightning.core.schedule.AutoSchedule`). Giving any milestone turns the
+            derivation off; the others then mean what ``None`` means. Milestones the fit never
+            reaches are a :class:`ConfigError` in ``setup``.
         observer_freeze: when observers stop updating; ``None`` = never.
         bn_freeze: when BatchNorm running statistics freeze; ``None`` = never.
         qconfig_mapping: the engine's native qconfig mapping (FX: ``QConfigMapping``); ``None``
@@ -130,8 +91,31 @@ class QuantizationAwareTraining(Callback):
             report shows fp32 / ptq / fake_quant / int8 side by side. A run resumed after
             fake-quant started builds it at fit end from the saved ``float_snapshot``.
         ptq_qconfig_mapping: the PTQ mapping of that baseline; ``None`` = the PTQ counterpart
-            of ``qconfig_mapping`` (:func:`qlightning.qconfigs.ptq_qconfig_mapping`), or the
+            of ``qconfig_mapping`` (:func:`qlightning.engines.fx.qconfigs.ptq_qconfig_mapping`), or the
             backend's default PTQ mapping.
+        qconfig_presets: ``{name: qconfig spec}`` of named qconfigs a plain-data ``qconfig_mapping``
+            may refer to (config: ``qconfig/*.yaml``), besides the built-in presets.
+        equalization: FX input-weight equalization (``"all"``, layer names, ``"selective"`` or a
+            ``QConfigMapping``); PTQ only, so a QAT run refuses it with the reason.
+        trusted_modules: module prefixes whose classes a plain-data config may name (custom-module
+            mappings, ``object_type`` entries) beyond the built-in allowlist.
+        engine_options: the engine's own switches (see ``qlightning.engines.ENGINE_OPTIONS``), checked
+            per engine: unknown names and wrong kinds are errors listing the valid ones.
+        lowering: the int8 runtime kept at fit end: ``"fx"`` (the engine's module), ``"auto"`` (the
+            fastest runtime faithful to the fake-quant model), ``"onnxruntime"`` or ``"inductor"``.
+        lowering_candidates: the runtimes ``lowering="auto"`` chooses from (default: all).
+        lowering_batch_size: the example input is tiled to this batch to time and check candidates.
+        lowering_min_sqnr_db: SQNR a runtime needs against the fake-quant model to be kept.
+        fidelity: the fit-end gate comparing the int8 model as it runs with the fake-quant model on
+            held batches (validation loader, else training batches): ``True`` (defaults), ``False``,
+            a mapping or a :class:`~qlightning.core.fidelity.FidelityConfig` (``min_sqnr_db``,
+            ``min_top1_agreement``, ``on_breach`` fail | warn | fallback, ``batches``).
+            Results are in :attr:`fidelity_results`.
+        on_incomplete_schedule: what to do when the fit ends before fake-quant started (EarlyStopping,
+            an interrupt): ``"calibrate"`` (run the observers and fake-quant on training batches
+            first, so no scale is uninitialised, and warn that the model was never trained against
+            quantization) or ``"error"`` (refuse to convert).
+        calibration_batches: training batches used by ``on_incomplete_schedule="calibrate"``.
 
     Example::
 
@@ -149,9 +133,9 @@ class QuantizationAwareTraining(Callback):
         modules: Union[str, Sequence[str]] = ("net",),
         backend: str = "x86",
         engine: Union[str, QuantEngine] = "fx",
-        fake_quant_start: MilestoneLike = None,
-        observer_freeze: MilestoneLike = None,
-        bn_freeze: MilestoneLike = None,
+        fake_quant_start: MilestoneLike = AUTO,
+        observer_freeze: MilestoneLike = AUTO,
+        bn_freeze: MilestoneLike = AUTO,
         qconfig_mapping: Any = None,
         prepare_custom_config: Any = None,
         convert_custom_config: Any = None,
@@ -171,6 +155,9 @@ class QuantizationAwareTraining(Callback):
         lowering_candidates: Optional[Sequence[str]] = None,
         lowering_batch_size: int = 32,
         lowering_min_sqnr_db: float = 25.0,
+        fidelity: Any = True,
+        on_incomplete_schedule: str = "calibrate",
+        calibration_batches: int = 16,
     ) -> None:
         errors: list[str] = []
         names = check_common_arguments(modules, backend, engine, errors)
@@ -179,9 +166,16 @@ class QuantizationAwareTraining(Callback):
         bad_stages = [s for s in observe_stages if s not in STAGES]
         if bad_stages:
             errors.append(f"observe_stages={list(observe_stages)!r}: unknown stage(s) {bad_stages}; valid: {list(STAGES)}")
+        milestones = (fake_quant_start, observer_freeze, bn_freeze)
+        self.auto_schedule: Optional[AutoSchedule] = AutoSchedule() if all(m == AUTO for m in milestones) else None
         self.schedule = Schedule.from_config(
-            fake_quant_start, observer_freeze, bn_freeze, prefix="schedule", errors=errors
+            *(None if m == AUTO else m for m in milestones), prefix="schedule", errors=errors
         )
+        self.fidelity = FidelityConfig.from_value(fidelity, errors, "fidelity")
+        if on_incomplete_schedule not in ON_INCOMPLETE:
+            errors.append(f"on_incomplete_schedule={on_incomplete_schedule!r}: valid choices: {list(ON_INCOMPLETE)}")
+        if isinstance(calibration_batches, bool) or not isinstance(calibration_batches, int) or calibration_batches < 1:
+            errors.append(f"calibration_batches={calibration_batches!r}: a positive number of batches")
         freeze = self.schedule.observer_freeze
         if freeze is not None and (freeze.step == 0 or freeze.epoch == 0):
             errors.append(f"observer_freeze ({freeze}): must be positive, observers need at least one step to calibrate")
@@ -189,8 +183,6 @@ class QuantizationAwareTraining(Callback):
             errors.append("example_inputs: expected a mapping {module_name: tensor | tuple | dict}")
         if not isinstance(ptq_baseline, (bool, int)) or (not isinstance(ptq_baseline, bool) and ptq_baseline < 1):
             errors.append(f"ptq_baseline={ptq_baseline!r}: True, False or a positive number of calibration batches")
-        from qlightning.lowering import CANDIDATES
-
         if lowering not in ("fx", "auto", *CANDIDATES):
             errors.append(f"lowering={lowering!r}: valid choices: {['fx', 'auto', *CANDIDATES]}")
         bad_candidates = [c for c in (lowering_candidates or ()) if c not in CANDIDATES]
@@ -209,7 +201,7 @@ class QuantizationAwareTraining(Callback):
         options.update(qconfig_presets=dict(qconfig_presets or {}), trusted=list(trusted_modules))
         if equalization is not None:
             options["equalization"] = equalization
-        self.spec = QuantSpec(
+        spec = QuantSpec(
             backend=backend,
             qconfig_mapping=qconfig_mapping,
             prepare_custom_config=prepare_custom_config,
@@ -217,6 +209,15 @@ class QuantizationAwareTraining(Callback):
             backend_config=backend_config,
             is_qat=True,
             options=options,
+        )
+        self.ptq_batches = 32 if ptq_baseline is True else (int(ptq_baseline) if isinstance(ptq_baseline, int) else 0)
+        self.session = QuantSession(
+            self._engine,  # type: ignore[arg-type]  # resolved on first use of self.engine
+            spec,
+            names,
+            example_inputs={k: as_inputs(v) for k, v in (example_inputs or {}).items()} if isinstance(example_inputs, Mapping) else None,
+            keep_fake_quant=keep_fake_quant,
+            keep_float_refs=bool(self.ptq_batches),
         )
         if not errors:
             try:
@@ -228,47 +229,21 @@ class QuantizationAwareTraining(Callback):
         if errors:
             raise ConfigError(errors)
         _install_main_process_recovery()  # ddp_spawn/ddp_fork: see the function
-        self.example_inputs = {k: _as_inputs(v) for k, v in (example_inputs or {}).items()}
+        self.example_inputs = self.session.example_inputs
         self.observe_stages = tuple(observe_stages)
         self.convert_on_fit_end = convert_on_fit_end
         self.keep_fake_quant = keep_fake_quant
         self.keep_float_snapshot = keep_float_snapshot
-        self.ptq_batches = 32 if ptq_baseline is True else int(ptq_baseline)
         self.ptq_qconfig_mapping = ptq_qconfig_mapping
-        #: int8 PTQ baseline of each target (``ptq_baseline=``), not saved in checkpoints
-        self.ptq_modules: dict[str, nn.Module] = {}
-        # the float submodules before preparation: prepare_qat_fx keeps their Parameter objects,
-        # so qlightning.callbacks.ptq.float_module_from() can rebuild float modules from them
-        self._float_refs: dict[str, nn.Module] = {}
-        # {module name: state_dict} of the prepared modules at the first fake-quant step
-        self.float_snapshot: Optional[dict[str, dict[str, torch.Tensor]]] = None
-
-        self.targets: list[str] = []
-        self.prepared = False
-        self.converted = False
-        self.phase: Optional[Phase] = None
-        self.fake_quant_modules: dict[str, nn.Module] = {}
         self.lowering = lowering
         self.lowering_candidates = tuple(lowering_candidates) if lowering_candidates else None
         self.lowering_batch_size = lowering_batch_size
         self.lowering_min_sqnr_db = lowering_min_sqnr_db
-        #: the engine's converted module of each target (what TorchScript exports), whatever runs in its place
-        self.int8_modules: dict[str, nn.Module] = {}
-        #: ``lowering != "fx"``: per target, the runtime kept and every candidate's latency and parity
-        self.lowering_choices: dict[str, dict[str, Any]] = {}
-        self.inputs: dict[str, Inputs] = {}
-        # Plain data saved in every checkpoint (the resolved recipe, its hash, library versions).
-        self.provenance: dict[str, Any] = {}
-
-    @property
-    def engine(self) -> QuantEngine:
-        if self._engine is None:
-            self._engine = get_engine(self._engine_arg)  # type: ignore[arg-type]
-        return self._engine
-
-    @property
-    def state_key(self) -> str:
-        return self._generate_state_key(modules=tuple(self.module_names), backend=self.backend)
+        self.on_incomplete_schedule = on_incomplete_schedule
+        self.calibration_batches = calibration_batches
+        self._held_batches: dict[str, list[Any]] = {}
+        self._held_source = ""
+        self._convert_after_load = False
 
     # ------------------------------------------------------------------ preparation
 
@@ -279,9 +254,14 @@ class QuantizationAwareTraining(Callback):
                 "QuantizationAwareTraining: the model was already converted to int8 at the end of a "
                 "previous fit; pass convert_on_fit_end=False to fit more than once"
             )
+        if stage != "fit":
+            # validate/test/predict(ckpt_path=<a QAT checkpoint>): prepare (or, after a fit, put the
+            # fake-quant modules back) when Lightning hands the checkpoint to on_load_checkpoint
+            self._wrap_on_load_checkpoint(trainer, pl_module, stage)
+            return
         if self.prepared:
             return
-        start_method = _spawn_start_method(trainer)
+        start_method = compat.spawn_start_method(trainer)
         if stage == "fit" and start_method is not None and self.engine.name != "fx":
             names = {"spawn": "'ddp_spawn'", "fork": "'ddp_fork' / 'ddp_notebook'"}.get(start_method, start_method)
             raise ConfigError(
@@ -290,20 +270,9 @@ class QuantizationAwareTraining(Callback):
                 "modules do not pickle; valid choices: strategy='ddp' (Lightning re-launches the script, any "
                 "engine), or engine='fx' with a spawn/fork strategy"
             )
-        if stage != "fit":
-            # validate/test/predict(ckpt_path=<a QAT checkpoint>): prepare when Lightning hands the
-            # checkpoint to LightningModule.on_load_checkpoint, just before it loads the weights.
-            original_on_load = pl_module.on_load_checkpoint
-
-            def on_load_checkpoint_then_prepare(checkpoint: dict[str, Any]) -> None:
-                pl_module.__dict__.pop("on_load_checkpoint", None)
-                original_on_load(checkpoint)
-                if any(str(k).startswith(type(self).__name__) for k in checkpoint.get("callbacks", {})):
-                    self.prepare(pl_module, trainer)
-
-            pl_module.on_load_checkpoint = on_load_checkpoint_then_prepare  # type: ignore[method-assign]
-            return
+        self._refuse_combinations(trainer)
         self.engine  # fail early if the engine cannot run here
+        self._wrap_on_load_checkpoint(trainer, pl_module, stage)
         # Prepare right after LightningModule.setup/configure_model (so modules built there exist)
         # and before Lightning restores a checkpoint or calls configure_optimizers.
         original = pl_module.configure_model
@@ -311,11 +280,124 @@ class QuantizationAwareTraining(Callback):
         def configure_model_then_prepare() -> None:
             pl_module.__dict__.pop("configure_model", None)  # back to the class's (or another wrapper's) method
             original()
+            self._resolve_schedule(trainer)
             pruned = self._name_pruned_parameters(trainer, pl_module)
             self.prepare(pl_module, trainer)
             self._repoint_pruning(pl_module, pruned)
 
         pl_module.configure_model = configure_model_then_prepare  # type: ignore[method-assign]
+
+    def _refuse_combinations(self, trainer: "pl.Trainer") -> None:
+        """Trainer settings QAT cannot honour, refused before any step with the reason."""
+        errors = []
+        precision = getattr(trainer, "precision", "32-true")
+        if precision not in FLOAT32_PRECISIONS:
+            errors.append(
+                f"Trainer(precision={precision!r}): QAT's fake-quant ops (torch.ao's fused_moving_avg_obs_fake_quant, "
+                "torchao's fake-quant) compute scales in float32 and fail or go wrong under autocast; train with "
+                "precision='32-true' (the int8 model runs in int8 regardless)"
+            )
+        for callback in trainer.callbacks:
+            if isinstance(callback, EMAWeightAveraging):
+                errors.append(
+                    "EMAWeightAveraging: it averages every parameter and buffer of the model, observer statistics, "
+                    "scales and zero points included, and swaps the averages in for validation, which breaks the "
+                    "fake-quant state (and would ship averaged scales); remove it, or average only the float run "
+                    "before QAT"
+                )
+            elif isinstance(callback, StochasticWeightAveraging) and self.schedule.bn_freeze is not None:
+                errors.append(
+                    "StochasticWeightAveraging with bn_freeze: SWA recomputes BatchNorm statistics for the averaged "
+                    "weights in an extra pass, which bn_freeze prevents, so the averaged model keeps statistics of "
+                    "other weights (measured: int8 21.5 % vs 98.5 %); set bn_freeze=None or drop SWA"
+                )
+        if errors:
+            raise ConfigError(errors)
+
+    def _resolve_schedule(self, trainer: "pl.Trainer") -> None:
+        """The default schedule from the run's length, and milestones the run never reaches refused."""
+        try:
+            total = float(trainer.estimated_stepping_batches)
+        except Exception:  # no train loader here (e.g. prepare-only flows): nothing to derive or check
+            return
+        epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
+        per_epoch = total / epochs if epochs and (trainer.max_steps is None or trainer.max_steps < 0) else None
+        if per_epoch is None and trainer.num_training_batches not in (None, float("inf")):
+            per_epoch = trainer.num_training_batches / max(1, trainer.accumulate_grad_batches)
+        limits = f"max_epochs={trainer.max_epochs}, max_steps={trainer.max_steps}"
+        if self.auto_schedule is not None:
+            if total == float("inf"):
+                raise ConfigError(
+                    f"fake_quant_start/observer_freeze/bn_freeze='auto': the fit has no end ({limits}), so the "
+                    "schedule cannot be derived from its length; give milestones, e.g. fake_quant_start={'step': 1000}"
+                )
+            self.schedule = self.auto_schedule.resolve(int(total))
+            rank_zero_info(f"[qlightning] schedule {self.auto_schedule.describe()}: {int(total)} steps -> "
+                           f"fake-quant from {self.schedule.fake_quant_start}, freeze at {self.schedule.observer_freeze}")
+            return
+        problems = unreachable(self.schedule, total, per_epoch, limits)
+        if problems:
+            raise ConfigError(problems)
+
+    def _wrap_on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        """Check a checkpoint's QAT state before Lightning loads its weights (and, outside fit, prepare for it)."""
+        original_on_load = pl_module.on_load_checkpoint
+
+        def on_load_checkpoint_checked(checkpoint: dict[str, Any]) -> None:
+            pl_module.__dict__.pop("on_load_checkpoint", None)
+            original_on_load(checkpoint)
+            states = {k: v for k, v in checkpoint.get("callbacks", {}).items() if str(k).startswith(type(self).__name__)}
+            if not states:
+                return
+            self._check_checkpoint_state(states)
+            if stage == "fit":
+                return
+            if self.converted:  # e.g. test(ckpt_path="best") after a fit: the checkpoint holds fake-quant weights
+                for name, module in self.fake_quant_modules.items():
+                    set_submodule(pl_module, name, copy.deepcopy(module))
+                self.converted = False
+            self.prepare(pl_module, trainer)
+            saved = self._state_of(states)
+            phase = saved.get("phase") if saved else None
+            if phase is not None and not phase.get("fake_quant"):
+                self._convert_after_load = False
+                notice = (f"{stage}: the checkpoint was saved before fake-quant started (step "
+                          f"{checkpoint.get('global_step')}), so its scales were never trained; evaluating its "
+                          "float model (quantization off), not an int8 conversion of it")
+                self.notices.append(notice)
+                rank_zero_warn(f"[qlightning] {notice}")
+                return
+            self._convert_after_load = self.convert_on_fit_end
+
+        pl_module.on_load_checkpoint = on_load_checkpoint_checked  # type: ignore[method-assign]
+
+    def _state_of(self, states: Mapping[str, Any]) -> Optional[Mapping[str, Any]]:
+        """This callback's entry among a checkpoint's QAT states (the only one, when the key differs)."""
+        if self.state_key in states:
+            return states[self.state_key]
+        if len(states) == 1:
+            return next(iter(states.values()))
+        return None  # several QAT callbacks saved state: each checks its own entry in load_state_dict
+
+    def _check_checkpoint_state(self, states: Mapping[str, Any]) -> None:
+        """A checkpoint trained with another backend, engine or module list is an error naming both values."""
+        state = self._state_of(states)
+        if state is None:
+            return
+        problems = []
+        for key, mine in (("backend", self.backend), ("engine", self.engine.name)):
+            theirs = state.get(key)
+            if theirs is not None and theirs != mine:
+                problems.append(f"{key}={mine!r}: the checkpoint was trained with {key} {theirs!r}; "
+                                f"resume with {key}={theirs!r} or start a new fit")
+        saved = state.get("modules")
+        if saved and self.targets and list(saved) != list(self.targets):
+            problems.append(f"modules: the checkpoint was trained with quantized modules {list(saved)}, "
+                            f"this run prepares {list(self.targets)}")
+        elif saved and not self.targets and sorted(saved) != sorted(self.module_names) and self.state_key not in states:
+            problems.append(f"modules={self.module_names}: the checkpoint was trained with quantized modules {list(saved)}")
+        if problems:
+            raise ConfigError(problems)
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -324,16 +406,6 @@ class QuantizationAwareTraining(Callback):
         for hook in ("configure_model", "on_load_checkpoint"):
             pl_module.__dict__.pop(hook, None)
 
-    def _batch_source(self, trainer: "pl.Trainer") -> Any:
-        def first_batch() -> Any:
-            source = trainer.fit_loop._data_source
-            if not source.is_defined():
-                return None
-            loader = source.dataloader()
-            return next(iter(loader))
-
-        return first_batch
-
     def prepare(self, pl_module: "pl.LightningModule", trainer: Optional["pl.Trainer"] = None) -> None:
         """Prepare every target submodule of ``pl_module`` in place (idempotent).
 
@@ -341,25 +413,10 @@ class QuantizationAwareTraining(Callback):
         """
         if self.prepared:
             return
-        self.targets = resolve_targets(pl_module, self.module_names, key="modules")
-        problems = self.engine.check_spec_against_model(self.spec, {n: pl_module.get_submodule(n) for n in self.targets})
-        if problems:
-            raise ConfigError(problems)
-        self.inputs = example_inputs_for(
-            pl_module,
-            self.targets,
-            batch_source=self._batch_source(trainer) if trainer is not None else None,
-            configured=self.example_inputs,
-        )
-        for name in self.targets:
-            float_module = pl_module.get_submodule(name)
-            if self.ptq_batches:
-                self._float_refs[name] = float_module
-            prepared = self.engine.prepare(float_module, self.inputs[name], self.spec)
-            _set_submodule(pl_module, name, prepared)
-        self.prepared = True
-        self._apply(pl_module, self.schedule.phase(0, 0))
-        self._set_observers(pl_module, False)
+        self.engine  # resolved before the session uses it
+        self.session.prepare(pl_module, compat.first_training_batch(trainer) if trainer is not None else None)
+        self.session.apply_phase(pl_module, self.schedule.phase(0, 0))
+        self.session.set_observers(pl_module, False)
         rank_zero_info(
             f"[qlightning] prepared {self.targets} for QAT ({self.engine.name} engine, {self.backend} backend); "
             f"schedule: fake-quant from {self.schedule.fake_quant_start or 'step 0'}, "
@@ -387,10 +444,8 @@ class QuantizationAwareTraining(Callback):
 
         found = []
         for callback in callbacks:
-            pairs = list(callback._parameters_to_prune)
-            default = callback.filter_parameters_to_prune(
-                ModelPruning.sanitize_parameters_to_prune(pl_module, (), parameter_names=callback._parameter_names)
-            )
+            pairs = compat.pruning_pairs(callback)
+            default = compat.default_pruning_pairs(callback, pl_module)
             is_default = [(id(m), p) for m, p in default] == [(id(m), p) for m, p in pairs]
             moved = [(i, names[id(m)], p) for i, (m, p) in enumerate(pairs) if id(m) in names and inside(names[id(m)])]
             if moved:
@@ -412,10 +467,10 @@ class QuantizationAwareTraining(Callback):
                     f"{self.targets}; only the fx engine keeps their names when preparing (this run: {self.engine.name!r})"
                 )
                 continue
-            pairs = list(callback._parameters_to_prune)
+            pairs = compat.pruning_pairs(callback)
             dropped: dict[int, str] = {}
             for i, name, param in moved:
-                module = pl_module.get_submodule(name) if _has_submodule(pl_module, name) else None
+                module = pl_module.get_submodule(name) if has_submodule(pl_module, name) else None
                 if module is not None and isinstance(module._parameters.get(param), nn.Parameter):
                     pairs[i] = (module, param)
                 else:
@@ -429,24 +484,17 @@ class QuantizationAwareTraining(Callback):
                 continue
             if dropped:
                 rank_zero_info(f"[qlightning] ModelPruning: not pruning {sorted(dropped.values())} (folded by QAT fusion)")
-            callback._parameters_to_prune = [pair for i, pair in enumerate(pairs) if i not in dropped]
-            if getattr(callback, "_original_layers", None) is not None:  # lottery ticket: initial weights of the new modules
-                callback._original_layers = {}
-                for i, (module, param) in enumerate(callback._parameters_to_prune):
-                    entry = callback._original_layers.setdefault(id(module), {"data": copy.deepcopy(module), "names": []})
-                    entry["names"].append((i, param))
+            compat.set_pruning_pairs(callback, [pair for i, pair in enumerate(pairs) if i not in dropped])
         if errors:
             raise ConfigError(errors)
 
     # ------------------------------------------------------------------ schedule
 
     def _apply(self, pl_module: "pl.LightningModule", phase: Phase) -> None:
-        for name in self.targets:
-            self.engine.set_phase(pl_module.get_submodule(name), phase)
+        self.session.apply_phase(pl_module, phase)
 
     def _set_observers(self, pl_module: "pl.LightningModule", enabled: bool) -> None:
-        for name in self.targets:
-            self.engine.set_observers(pl_module.get_submodule(name), enabled)
+        self.session.set_observers(pl_module, enabled)
 
     @override
     def on_train_batch_start(
@@ -461,10 +509,7 @@ class QuantizationAwareTraining(Callback):
             )
             self.phase = phase
         if phase.fake_quant and self.float_snapshot is None and self.keep_float_snapshot:
-            self.float_snapshot = {
-                name: {k: v.detach().clone() for k, v in pl_module.get_submodule(name).state_dict().items()}
-                for name in self.targets
-            }
+            self.session.take_float_snapshot(pl_module)
             if self.ptq_batches and not self.ptq_modules:
                 self._run_ptq_baseline(trainer, pl_module)  # before fake-quant is applied: float weights
         if trainer.loggers:
@@ -483,18 +528,12 @@ class QuantizationAwareTraining(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", states: Optional[dict[str, Any]] = None
     ) -> None:
         """PTQ of the float weights (live, or ``states`` saved at fake-quant start) on training batches."""
-        from qlightning.callbacks.ptq import calibration_batches, collect_inputs, float_module_from, ptq_baseline
-        from qlightning.capture import _RandomStates
+        from qlightning.callbacks.calibration_data import calibration_batches, collect_inputs
 
-        with _RandomStates():
+        with RandomStates():
             batches = calibration_batches(trainer, "train", self.ptq_batches)
         inputs = collect_inputs(pl_module, self.targets, batches, "train", trainer)
-        for name in self.targets:
-            state = None if states is None else states[name]
-            float_module = float_module_from(self._float_refs[name], pl_module.get_submodule(name), state)
-            self.ptq_modules[name] = ptq_baseline(
-                float_module, inputs[name], self.spec, engine=self.engine, qconfig_mapping=self.ptq_qconfig_mapping
-            )
+        self.session.build_ptq_baseline(pl_module, inputs, self.ptq_qconfig_mapping, states)
         rank_zero_info(
             f"[qlightning] PTQ baseline of {self.targets} (float weights at fake-quant start, "
             f"{len(inputs[self.targets[0]])} calibration batches)"
@@ -510,6 +549,13 @@ class QuantizationAwareTraining(Callback):
             self._set_observers(pl_module, False)
 
     def _evaluation(self, pl_module: "pl.LightningModule", stage: str, start: bool) -> None:
+        if start and self._convert_after_load and self.prepared and not self.converted:
+            # trainer.validate/test/predict(ckpt_path=...): evaluate what would ship, the int8 model
+            self._convert_after_load = False
+            self.session.set_observers(pl_module, False)
+            self.convert(pl_module)
+            rank_zero_info(f"[qlightning] {stage}: evaluating the int8 model converted from the checkpoint "
+                           "(convert_on_fit_end=False evaluates the fake-quant model)")
         if self.prepared and not self.converted:
             self._set_observers(pl_module, start and stage in self.observe_stages)
 
@@ -560,6 +606,10 @@ class QuantizationAwareTraining(Callback):
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.convert_on_fit_end and self.prepared and not self.converted:
+            self._complete_schedule(trainer, pl_module)
+            if self.fidelity.enabled and trainer.is_global_zero:
+                self._hold_batches(trainer, pl_module)
         self._sync(trainer, pl_module)
         if self.ptq_batches and not self.ptq_modules and self.float_snapshot is not None and self.prepared:
             self._run_ptq_baseline(trainer, pl_module, self.float_snapshot)  # resumed after fake-quant start
@@ -568,28 +618,113 @@ class QuantizationAwareTraining(Callback):
                 self._convert_on_rank_zero(trainer, pl_module)
             else:
                 self.convert(pl_module)
-        if self.prepared and _spawn_start_method(trainer) is not None and trainer.is_global_zero:
+                self._gate(pl_module)
+        if self.prepared and compat.spawn_start_method(trainer) is not None and trainer.is_global_zero:
             self._send_to_main_process(trainer, pl_module)
+
+    def _complete_schedule(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """A fit that ended before fake-quant started: calibrate first (or refuse), and say so."""
+        if self.phase is not None and self.phase.fake_quant:
+            return
+        start = self.schedule.fake_quant_start
+        message = (
+            f"QuantizationAwareTraining: the fit ended at step {trainer.global_step} (epoch {trainer.current_epoch}) "
+            f"before fake-quant started ({start}), so the model was never trained against quantization and "
+            "its scales were never computed"
+        )
+        if self.on_incomplete_schedule == "error":
+            raise IncompleteScheduleError(
+                message + "; train until the schedule's fake_quant_start, move it earlier, or pass "
+                "on_incomplete_schedule='calibrate' to calibrate on training batches and convert anyway"
+            )
+        from qlightning.callbacks.calibration_data import calibration_batches
+        from qlightning.quantize.calibration import run_to_targets
+
+        phase = Phase(fake_quant=True, observe=True, bn_frozen=True)
+        self.session.apply_phase(pl_module, phase)
+        count = 0
+        with RandomStates():
+            for i, batch in enumerate(calibration_batches(trainer, "train", self.calibration_batches)):
+                batch = compat.to_module_device(batch, pl_module, trainer)
+                run_to_targets(pl_module, self.targets, lambda: pl_module.training_step(batch, i))
+                count += 1
+        self.session.set_observers(pl_module, False)
+        self.phase = Phase(fake_quant=True, observe=False, bn_frozen=True)
+        self.session.apply_phase(pl_module, self.phase)
+        notice = message + f"; calibrated observers on {count} training batches before converting (post-training quantization, not QAT)"
+        self.notices.append(notice)
+        rank_zero_warn(f"[qlightning] {notice}")
+
+    def _hold_batches(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Inputs of each target on held batches (validation first), captured before converting."""
+        from qlightning.callbacks.calibration_data import calibration_batches, collect_inputs
+
+        for source, words in (("val", "validation batches"), ("train", "training batches")):
+            try:
+                with RandomStates():
+                    batches = list(calibration_batches(trainer, source, self.fidelity.batches))
+                held = collect_inputs(pl_module, self.targets, batches, source, trainer)
+            except Exception:
+                continue
+            if all(held.get(name) for name in self.targets):
+                self._held_batches, self._held_source = held, f"{len(batches)} {words}"
+                return
+        self._held_batches = {name: [self.inputs[name]] for name in self.targets}
+        self._held_source = "the captured example inputs"
+
+    def _gate(self, pl_module: "pl.LightningModule") -> None:
+        """Fit end: the int8 model as it runs against the fake-quant model; fail, warn or fall back."""
+        if not self.fidelity.enabled or not self.fake_quant_modules:
+            return
+        breaches: list[ModuleFidelity] = []
+        for name in self.targets:
+            fake_quant = self.fake_quant_modules.get(name)
+            if fake_quant is None:
+                continue
+            result = compare_modules(
+                name, fake_quant, pl_module.get_submodule(name), self._held_batches.get(name) or [self.inputs[name]],
+                self.fidelity.min_sqnr_db, self.fidelity.min_top1_agreement, self._held_source or "example inputs",
+            )
+            if not result.passed:
+                breaches.append(result)
+                if self.fidelity.on_breach == "fallback":
+                    set_submodule(pl_module, name, copy.deepcopy(fake_quant))
+                    result.action = "fell back to the fake-quant module"
+                elif self.fidelity.on_breach == "warn":
+                    result.action = "kept int8 (on_breach=warn)"
+            self.fidelity_results[name] = result.to_dict()
+            rank_zero_info(f"[qlightning] fidelity {result.describe()}")
+        self._held_batches = {}
+        if not breaches:
+            return
+        message = (
+            "QuantizationAwareTraining: the int8 model departs from the fake-quant model that trained "
+            f"(fidelity: SQNR >= {self.fidelity.min_sqnr_db:g} dB, top-1 agreement >= {self.fidelity.min_top1_agreement:g}):\n"
+            + "\n".join(f"  - {b.describe()}" for b in breaches)
+        )
+        if self.fidelity.on_breach == "fail":
+            raise FidelityError(
+                message + "\n  (fidelity on_breach='warn' keeps the int8 model, 'fallback' keeps the fake-quant module; "
+                "thresholds: fidelity min_sqnr_db / min_top1_agreement)"
+            )
+        self.notices.append(message)
+        rank_zero_warn(f"[qlightning] {message}")
 
     def convert(self, pl_module: "pl.LightningModule") -> None:
         """Convert every prepared submodule to int8 for the backend, in place."""
-        for name in self.targets:
-            prepared = self._before_convert(pl_module, name)
-            int8 = self.engine.convert(prepared, self.spec)
-            self.int8_modules[name] = int8
-            _set_submodule(pl_module, name, int8)
-            if self.lowering != "fx" and name in self.fake_quant_modules:
-                _set_submodule(pl_module, name, self._lower(pl_module, name, int8))
-        self.converted = True
+        self.engine  # resolved before the session uses it
+        self.session.convert(
+            pl_module, self.lowering, self.lowering_candidates, self.lowering_batch_size, self.lowering_min_sqnr_db,
+            on_choice=self._log_choice,
+        )
         rank_zero_info(f"[qlightning] converted {self.targets} to int8 ({self.backend})")
 
-    def _before_convert(self, pl_module: "pl.LightningModule", name: str) -> nn.Module:
-        prepared = pl_module.get_submodule(name)
-        self.engine.set_observers(prepared, False)
-        if self.keep_fake_quant:
-            self.fake_quant_modules[name] = copy.deepcopy(prepared).eval()
-        _remove_pruning(prepared)  # masks folded into the weights, so convert reads current ones
-        return prepared
+    def _log_choice(self, name: str, choice: Any) -> None:
+        rank_zero_info(
+            f"[qlightning] {name}: lowering={self.lowering} kept {choice.name!r} "
+            f"(median ms at batch {choice.batch_size}: {choice.latency_ms}; SQNR dB vs fake-quant: {choice.sqnr_db}"
+            + (f"; not eligible: {choice.errors}" if choice.errors else "") + ")"
+        )
 
     # ------------------------------------------------------------------ conversion on rank 0 only
 
@@ -605,6 +740,7 @@ class QuantizationAwareTraining(Callback):
         if trainer.is_global_zero:
             try:
                 self.convert(pl_module)
+                self._gate(pl_module)
                 message = self._conversion_message(pl_module)
             except BaseException as exc:
                 # tell the other ranks (waiting in the broadcast below) before raising here
@@ -637,7 +773,7 @@ class QuantizationAwareTraining(Callback):
 
     def _receive_conversion(self, pl_module: "pl.LightningModule", message: dict[str, Any]) -> None:
         for name in self.targets:
-            prepared = self._before_convert(pl_module, name)
+            prepared = self.session.detach_fake_quant(pl_module, name)
             if name in message["int8"]:
                 int8 = loads_modules(message["int8"][name])
             else:
@@ -646,34 +782,23 @@ class QuantizationAwareTraining(Callback):
                 int8.load_state_dict(state, strict=True)
             self.int8_modules[name] = int8
             module = int8
-            _set_submodule(pl_module, name, int8)
+            set_submodule(pl_module, name, int8)
             choice = message["lowering_choices"].get(name)
             if choice is not None:
                 self.lowering_choices[name] = choice
                 module = self._lowered_from(pl_module, name, int8, choice["name"], message["lowered"].get(name))
-            _set_submodule(pl_module, name, module)
+            set_submodule(pl_module, name, module)
         self.converted = True
 
     def _lowered_from(
         self, pl_module: "pl.LightningModule", name: str, int8: nn.Module, runtime: str, data: Optional[bytes]
     ) -> nn.Module:
         """The runtime rank 0 chose for ``name``: its pickled module, or built again (not timed) here."""
-        from qlightning.lowering import BUILDERS, LoweringContext, _attach_source
-
         if runtime == "fx":
             return int8
         if data is not None:
-            return _attach_source(loads_modules(data), int8)
-        from qlightning.export import qdq_module
-        from qlightning.report import _tile
-
-        example = self.inputs[name]
-        batch = Inputs(_tile(example.args, self.lowering_batch_size), _tile(example.kwargs, self.lowering_batch_size))
-        try:
-            reference = qdq_module(self, pl_module, name)
-        except Exception:
-            reference = None
-        return BUILDERS[runtime](LoweringContext(self.fake_quant_modules[name], int8, batch, qdq_module=reference))
+            return attach_source(loads_modules(data), int8)
+        return self.session.rebuild_lowered(name, int8, runtime, self.lowering_batch_size)
 
     # ------------------------------------------------------------------ spawn/fork strategies
 
@@ -691,16 +816,7 @@ class QuantizationAwareTraining(Callback):
         path = os.path.join(tempfile.mkdtemp(prefix="qlightning-"), "qat.pkl")
         with open(path, "wb") as f:
             f.write(self._main_process_payload(pl_module))
-        launcher = trainer.strategy.launcher
-        original = launcher.get_extra_results
-        key = self.state_key
-
-        def get_extra_results(trainer: "pl.Trainer") -> dict[str, Any]:
-            extra = original(trainer)
-            extra.setdefault(_EXTRA_KEY, {})[key] = path
-            return extra
-
-        launcher.get_extra_results = get_extra_results  # type: ignore[method-assign]
+        compat.add_extra_result(trainer, _EXTRA_KEY, self.state_key, path)
 
     def _main_process_payload(self, pl_module: "pl.LightningModule") -> bytes:
         if self.converted:
@@ -761,25 +877,25 @@ class QuantizationAwareTraining(Callback):
                     "configure_model?), so rank 0's QAT result cannot be put back there; use strategy='ddp'"
                 ) from exc
             if self.ptq_batches:
-                self._float_refs[name] = float_module
+                self.session.float_refs[name] = float_module
             prepared = self.engine.prepare(copy.deepcopy(float_module), self.inputs[name], self.spec)
             prepared.load_state_dict(data["fake_quant_state"][name], strict=True)
             if self.phase is not None:
                 self.engine.set_phase(prepared, self.phase)
             self.engine.set_observers(prepared, False)
             if not data["converted"]:
-                _set_submodule(pl_module, name, prepared)
+                set_submodule(pl_module, name, prepared)
                 continue
             if data["keep_fake_quant"]:
                 self.fake_quant_modules[name] = prepared.eval()
             int8 = data["int8"][name]
             self.int8_modules[name] = int8
             module = int8
-            _set_submodule(pl_module, name, int8)
+            set_submodule(pl_module, name, int8)
             if name in data["lowering_choices"]:
                 self.lowering_choices[name] = data["lowering_choices"][name]
                 module = self._lowered_from(pl_module, name, int8, self.lowering_choices[name]["name"], data["lowered"].get(name))
-            _set_submodule(pl_module, name, module)
+            set_submodule(pl_module, name, module)
         self.ptq_modules = {name: loads_modules(b) for name, b in data["ptq_modules"].items()}
         self.prepared = True
         self.converted = data["converted"]
@@ -797,43 +913,10 @@ class QuantizationAwareTraining(Callback):
         state = self.__dict__.copy()
         engine = self._engine_arg if isinstance(self._engine_arg, str) else getattr(self._engine_arg, "name", None)
         if engine == "fx":
-            state["fake_quant_modules"] = {}
+            session = copy.copy(self.session)
+            session.fake_quant_modules = {}
+            state["session"] = session
         return state
-
-    def _lower(self, pl_module: "pl.LightningModule", name: str, int8: nn.Module) -> nn.Module:
-        """``lowering=auto|onnxruntime|inductor``: the fastest faithful runtime for ``name`` (else ``int8``)."""
-        import warnings
-
-        from qlightning.export import qdq_module
-        from qlightning.lowering import CANDIDATES, choose_lowering
-        from qlightning.report import _tile
-
-        if self.lowering_candidates:
-            candidates = self.lowering_candidates
-        else:
-            candidates = CANDIDATES if self.lowering == "auto" else ("fx", self.lowering)
-        example = self.inputs[name]
-        batch = Inputs(_tile(example.args, self.lowering_batch_size), _tile(example.kwargs, self.lowering_batch_size))
-        try:
-            reference = qdq_module(self, pl_module, name)
-        except Exception:
-            reference = None  # choose_lowering builds its own
-        try:
-            choice = choose_lowering(
-                self.fake_quant_modules[name], int8, batch, candidates=candidates,
-                min_sqnr_db=self.lowering_min_sqnr_db, qdq_module=reference,
-            )
-        except Exception as exc:  # the engine's module is always a valid answer
-            warnings.warn(f"qlightning lowering of {name!r} failed, keeping the {self.engine.name} int8 module: "
-                          f"{type(exc).__name__}: {exc}", stacklevel=2)
-            return int8
-        self.lowering_choices[name] = choice.to_dict()
-        rank_zero_info(
-            f"[qlightning] {name}: lowering={self.lowering} kept {choice.name!r} "
-            f"(median ms at batch {choice.batch_size}: {choice.latency_ms}; SQNR dB vs fake-quant: {choice.sqnr_db}"
-            + (f"; not eligible: {choice.errors}" if choice.errors else "") + ")"
-        )
-        return choice.module
 
     # ------------------------------------------------------------------ checkpoint state
 
@@ -848,6 +931,8 @@ class QuantizationAwareTraining(Callback):
             "phase": None if self.phase is None else vars(self.phase).copy(),
             "provenance": self.provenance,
             "float_snapshot": self.float_snapshot,
+            "schedule": {k: (None if m is None else {"epoch": m.epoch, "step": m.step})
+                         for k, m in vars(self.schedule).items()},
         }
 
     @override
@@ -867,15 +952,6 @@ class QuantizationAwareTraining(Callback):
         self.float_snapshot = state_dict.get("float_snapshot")
 
 
-def _spawn_start_method(trainer: Any) -> Optional[str]:
-    """``"spawn"``/``"fork"``/``"forkserver"`` when Lightning started the processes itself and joins
-    them in a main process (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``), else ``None``."""
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-
-    launcher = getattr(trainer.strategy, "launcher", None)
-    return launcher._start_method if isinstance(launcher, _MultiProcessingLauncher) else None
-
-
 #: key of the QAT results in the extra results Lightning's multiprocessing launcher returns
 _EXTRA_KEY = "qlightning_qat"
 
@@ -883,48 +959,41 @@ _EXTRA_KEY = "qlightning_qat"
 def _install_main_process_recovery() -> None:
     """Let ``ddp_spawn``/``ddp_fork``/``ddp_notebook`` give the main process the converted model.
 
-    After the processes join, Lightning's ``_MultiProcessingLauncher._recover_results_in_main_process``
-    loads rank 0's final ``state_dict`` into the main process's model with ``strict=False``. That
-    model was never prepared nor converted (preparation ran in the workers), so the int8 weights
-    would not fit it (quantized tensors do not copy into float parameters) or, worse, be skipped
-    silently. No callback hook runs in the main process then, so we wrap that one method, on the
-    class (the main process's launcher instance is created before any callback hook runs): before
-    Lightning's loading, each ``QuantizationAwareTraining`` of the trainer rebuilds rank 0's modules
+    After the processes join, Lightning loads rank 0's final ``state_dict`` into the main process's
+    model, which was never prepared nor converted: the int8 weights would not fit it, or be skipped
+    silently. Before that, each ``QuantizationAwareTraining`` of the trainer rebuilds rank 0's modules
     from what rank 0 sent (see ``_send_to_main_process``), so the state_dict fits exactly; after it,
-    the keys are checked. Runs without a QAT callback are passed straight through. Idempotent.
+    the keys are checked. See :func:`qlightning.callbacks.lightning_compat.install_main_process_recovery`.
     """
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+    compat.install_main_process_recovery(_rebuild_rank_zero_modules, _check_main_process_keys)
 
-    original = _MultiProcessingLauncher._recover_results_in_main_process
-    if getattr(original, "_qlightning", False):
-        return
 
-    def _recover_results_in_main_process(self: Any, worker_output: Any, trainer: "pl.Trainer") -> None:
-        callbacks = [c for c in trainer.callbacks if isinstance(c, QuantizationAwareTraining)]
-        sent = (worker_output.extra or {}).get(_EXTRA_KEY, {})
-        expected: dict[str, list[str]] = {}
-        if worker_output.weights_path is not None:  # a fit: rank 0's weights come back
-            for callback in callbacks:
-                if callback.state_key not in sent:
-                    raise QLightningError(
-                        "QuantizationAwareTraining: rank 0 did not send its QAT state back to the main process "
-                        "(the fit did not reach on_fit_end), so the main process's model cannot receive its "
-                        "weights; resume from the last checkpoint with strategy='ddp'"
-                    )
-                path = sent[callback.state_key]
-                with open(path, "rb") as f:
-                    payload = f.read()
-                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-                expected[callback.state_key] = callback._restore_in_main_process(trainer.lightning_module, payload)
-        original(self, worker_output, trainer)
-        for keys in expected.values():
-            held = list(trainer.lightning_module.state_dict().keys())
-            if set(held) != set(keys):
+def _rebuild_rank_zero_modules(worker_output: Any, trainer: "pl.Trainer") -> dict[str, list[str]]:
+    callbacks = [c for c in trainer.callbacks if isinstance(c, QuantizationAwareTraining)]
+    sent = (worker_output.extra or {}).get(_EXTRA_KEY, {})
+    expected: dict[str, list[str]] = {}
+    if worker_output.weights_path is not None:  # a fit: rank 0's weights come back
+        for callback in callbacks:
+            if callback.state_key not in sent:
                 raise QLightningError(
-                    "QuantizationAwareTraining: the main process's model does not have rank 0's structure after "
-                    f"the spawn strategy returned: missing {sorted(set(keys) - set(held))[:8]}, "
-                    f"unexpected {sorted(set(held) - set(keys))[:8]}"
+                    "QuantizationAwareTraining: rank 0 did not send its QAT state back to the main process "
+                    "(the fit did not reach on_fit_end), so the main process's model cannot receive its "
+                    "weights; resume from the last checkpoint with strategy='ddp'"
                 )
+            path = sent[callback.state_key]
+            with open(path, "rb") as f:
+                payload = f.read()
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+            expected[callback.state_key] = callback._restore_in_main_process(trainer.lightning_module, payload)
+    return expected
 
-    _recover_results_in_main_process._qlightning = True  # type: ignore[attr-defined]
-    _MultiProcessingLauncher._recover_results_in_main_process = _recover_results_in_main_process  # type: ignore[method-assign]
+
+def _check_main_process_keys(trainer: "pl.Trainer", expected: dict[str, list[str]]) -> None:
+    for keys in expected.values():
+        held = list(trainer.lightning_module.state_dict().keys())
+        if set(held) != set(keys):
+            raise QLightningError(
+                "QuantizationAwareTraining: the main process's model does not have rank 0's structure after "
+                f"the spawn strategy returned: missing {sorted(set(keys) - set(held))[:8]}, "
+                f"unexpected {sorted(set(held) - set(keys))[:8]}"
+            )

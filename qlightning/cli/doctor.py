@@ -59,7 +59,7 @@ def main(argv: Sequence[str]) -> int:
                         help="do not run traced graphs on the model's example inputs")
     args = parser.parse_args(list(argv))
 
-    from qlightning.doctor import check_targets, diagnose, load_target
+    from qlightning.quantize.doctor import check_targets, diagnose, load_target
 
     warnings.filterwarnings("ignore")
     recipe = _is_recipe(args.target)
@@ -77,7 +77,7 @@ def main(argv: Sequence[str]) -> int:
             label = f"recipe {recipe} (model {cfg.model.get('_target_')})"
             targets = list(callback.targets or []) if callback is not None else []
             if not targets:
-                from qlightning.capture import resolve_targets
+                from qlightning.core.inputs import resolve_targets
 
                 targets = resolve_targets(model, list(cfg.quant.modules), key="quant.modules")
         else:

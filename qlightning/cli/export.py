@@ -74,8 +74,10 @@ def main(argv: Sequence[str]) -> int:
         print(f"qlightning export: no such checkpoint: {checkpoint}", file=sys.stderr)
         return 2
     try:
-        from qlightning.artifacts import export_and_check, markdown_sections, section
-        from qlightning.checkpoint import qat_state, restore
+        from qlightning.config.schema import section
+        from qlightning.run.artifacts import export_and_check
+        from qlightning.run.report import markdown_sections
+        from qlightning.callbacks.checkpoint import qat_state, restore
         from qlightning.config.build import build_callback, check_targets, instantiate_checked
         from qlightning.config.schema import TrainConfig
 

@@ -33,7 +33,7 @@ def from_checkpoint(path: str) -> str:
     import torch
     from omegaconf import OmegaConf
 
-    from qlightning.checkpoint import qat_state
+    from qlightning.callbacks.checkpoint import qat_state
 
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)

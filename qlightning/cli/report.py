@@ -11,14 +11,14 @@ from typing import Any, Sequence
 
 def render(run_dir: Path) -> dict[str, Any]:
     """Rewrite ``report.md`` and ``plots/*.png`` of a run directory from its ``report.json``; returns the report."""
-    from qlightning import plots
-    from qlightning.artifacts import SECTION_MARK, markdown_sections
+    from qlightning.run import plots
+    from qlightning.run.report import SECTION_MARK, markdown_sections
 
     path = run_dir / "report.json"
     report = json.loads(path.read_text())
     report["plots"] = plots.render(report, run_dir)
     if "metrics" in report and "size_bytes" in report and "latency_ms" in report:
-        from qlightning.report import to_markdown
+        from qlightning.run.report import to_markdown
 
         text = to_markdown(report)
         if SECTION_MARK not in text:
@@ -47,7 +47,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"qlightning report: could not render {run_dir / 'report.json'}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if "metrics" in report and "size_bytes" in report and "latency_ms" in report:
-        from qlightning.report import print_table
+        from qlightning.run.report import print_table
 
         print_table(report)
     parity = report.get("parity") or {}

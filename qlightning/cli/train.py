@@ -1,4 +1,4 @@
-"""`qlightning train`: a thin Hydra wrapper around :func:`qlightning.app.train`."""
+"""`qlightning train`: a thin Hydra wrapper around :func:`qlightning.run.app.train`."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def prepare_overrides(overrides: Sequence[str]) -> tuple[list[str], Optional[rec
 
 @hydra.main(version_base="1.3", config_path="pkg://qlightning.conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
-    from qlightning.app import train
+    from qlightning.run.app import train
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     provenance = recipes_registry.provenance(_state.get("recipe"))

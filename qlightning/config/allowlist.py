@@ -14,7 +14,7 @@ an observer) is checked by **identity, not spelling**:
    ``QLIGHTNING_TRUSTED_MODULES``, or ``trusted_modules=`` in Python; never from inside a recipe);
 3. the path must be the object's own name (``__module__`` + ``__qualname__``) or its re-export by a
    parent package (``torch.nn.Linear``), so an object reached through another module's imports
-   (``torch.nn.modules.module.torch.load``, ``qlightning.app.Path``) is refused even where the
+   (``torch.nn.modules.module.torch.load``, ``qlightning.run.app.Path``) is refused even where the
    object itself would be harmless.
 
 Hydra's instantiation keywords other than ``_target_`` (``_args_``, ``_partial_``,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 import torch
@@ -51,9 +53,11 @@ def callback_kwargs(quant: DictConfig, errors: list[str], trusted: Any = ()) -> 
         "modules": list(quant.modules),
         "backend": _enum_value(quant.backend),
         "engine": _enum_value(quant.engine),
-        "fake_quant_start": _milestone(quant.schedule.fake_quant_start),
-        "observer_freeze": _milestone(quant.schedule.observer_freeze),
-        "bn_freeze": _milestone(quant.schedule.bn_freeze),
+        **({"fake_quant_start": "auto", "observer_freeze": "auto", "bn_freeze": "auto"} if quant.schedule.get("auto") else {
+            "fake_quant_start": _milestone(quant.schedule.fake_quant_start),
+            "observer_freeze": _milestone(quant.schedule.observer_freeze),
+            "bn_freeze": _milestone(quant.schedule.bn_freeze),
+        }),
         "observe_stages": [_enum_value(s) for s in quant.observe_stages],
         "convert_on_fit_end": bool(quant.convert_on_fit_end),
         "example_inputs": _example_inputs(quant.example_inputs, errors),
@@ -69,6 +73,9 @@ def callback_kwargs(quant: DictConfig, errors: list[str], trusted: Any = ()) -> 
         "lowering_candidates": list(quant.lowering_candidates) or None,
         "lowering_batch_size": int(quant.lowering_batch_size),
         "lowering_min_sqnr_db": float(quant.lowering_min_sqnr_db),
+        "fidelity": {k: _enum_value(v) for k, v in OmegaConf.to_container(quant.fidelity).items()},
+        "on_incomplete_schedule": _enum_value(quant.on_incomplete_schedule),
+        "calibration_batches": int(quant.calibration_batches),
     }
 
 
@@ -78,6 +85,43 @@ def _is_set(node: Any) -> bool:
 
 
 PTQ_ONLY = ("mode", "calibrate_on", "num_calibration_batches", "equalization", "cross_layer_equalization")
+
+
+# Callback argument -> config key: the callbacks and engines name their arguments; the config layer
+# says which key of the config to change.
+ARGUMENT_KEYS = {
+    "prepare_custom_config": "quant.prepare",
+    "convert_custom_config": "quant.convert",
+    "equalization_config": "quant.equalization",
+    "ptq_baseline": "quant.ptq.baseline",
+    "num_calibration_batches": "quant.ptq.num_calibration_batches",
+    "calibrate_on": "quant.ptq.calibrate_on",
+    "cross_layer_equalization": "quant.ptq.cross_layer_equalization",
+    "mode": "quant.ptq.mode",
+    "fidelity": "quant.fidelity",
+    "on_incomplete_schedule": "quant.on_incomplete_schedule",
+    "calibration_batches": "quant.calibration_batches",
+}
+_ARGUMENT = re.compile(
+    r"(?<![\w.])(engine_options|engine|backend_config|backend|qconfig_mapping|prepare_custom_config|convert_custom_config"
+    r"|equalization_config|equalization|modules|fake_quant_start|observer_freeze|bn_freeze|observe_stages|example_inputs"
+    r"|lowering_candidates|lowering_batch_size|lowering_min_sqnr_db|lowering|ptq_baseline|num_calibration_batches"
+    r"|calibrate_on|cross_layer_equalization|convert_on_fit_end|fidelity|on_incomplete_schedule|calibration_batches|schedule)(?=[=\[:]|\.\w)"
+)
+
+
+def config_keys(message: str) -> str:
+    """A callback or engine message with its argument names as config keys (``engine='fx'`` -> ``quant.engine=fx``)."""
+    if message.startswith("quant."):
+        return message
+
+    def key(match: "re.Match[str]") -> str:
+        name = match.group(1)
+        return ARGUMENT_KEYS.get(name, f"quant.{name}")
+
+    text = re.sub(r"engine='(\w+)'", r"quant.engine=\1", message)
+    text = re.sub(r"backend='(\w+)'", r"quant.backend=\1", text)
+    return _ARGUMENT.sub(key, text)
 
 
 def build_callback(cfg: DictConfig) -> Any:
@@ -90,7 +134,8 @@ def build_callback(cfg: DictConfig) -> Any:
             from qlightning.callbacks.ptq import PostTrainingQuantization
 
             for key in ("fake_quant_start", "observer_freeze", "bn_freeze", "observe_stages", "convert_on_fit_end",
-                        "lowering", "lowering_candidates", "lowering_batch_size", "lowering_min_sqnr_db"):
+                        "lowering", "lowering_candidates", "lowering_batch_size", "lowering_min_sqnr_db",
+                        "fidelity", "on_incomplete_schedule", "calibration_batches"):
                 kwargs.pop(key, None)
             user_options = kwargs.pop("engine_options") or {}
             check_engine_options(kwargs["engine"], user_options, errors, "quant.engine_options")
@@ -102,7 +147,7 @@ def build_callback(cfg: DictConfig) -> Any:
         else:
             callback = QuantizationAwareTraining(**kwargs, ptq_baseline=ptq.num_calibration_batches if ptq.baseline else False)
     except ConfigError as exc:
-        errors.extend(f"quant.{p}" if not p.startswith("quant.") else p for p in exc.problems)
+        errors.extend(config_keys(p) for p in exc.problems)
         callback = None
     if errors:
         raise ConfigError(errors)

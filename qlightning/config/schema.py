@@ -69,6 +69,7 @@ class MilestoneConf:
 class ScheduleConf:
     """When fake-quant starts, observers freeze and BatchNorm statistics freeze."""
 
+    auto: bool = field(default=False, metadata={"help": "derive the schedule from the run's length (float for the first half of the steps, observers frozen for the last 15 %, BatchNorm never frozen); the milestones below are then ignored"})
     fake_quant_start: MilestoneConf = field(default_factory=lambda: MilestoneConf(epoch=3), metadata={"help": "when fake-quant turns on; before it, float warm-up with observers running; both null = from the start"})
     observer_freeze: MilestoneConf = field(default_factory=lambda: MilestoneConf(epoch=6), metadata={"help": "when observers stop updating scales/zero points (learnable qparams are learned from here); both null = never"})
     bn_freeze: MilestoneConf = field(default_factory=lambda: MilestoneConf(epoch=6), metadata={"help": "when BatchNorm running statistics freeze; both null = never"})
@@ -115,6 +116,28 @@ class PtqConf:
     baseline: bool = field(default=False, metadata={"help": "QAT runs: also PTQ the float weights at fake-quant start, reported as 'ptq'"})
 
 
+class OnBreach(str, Enum):
+    fail = "fail"
+    warn = "warn"
+    fallback = "fallback"
+
+
+class OnIncomplete(str, Enum):
+    calibrate = "calibrate"
+    error = "error"
+
+
+@dataclass
+class FidelityConf:
+    """The fit-end gate: the int8 model as it runs against the fake-quant model that trained."""
+
+    enabled: bool = field(default=True, metadata={"help": "compare int8 with fake-quant outputs on held batches at fit end"})
+    min_sqnr_db: float = field(default=20.0, metadata={"help": "minimum SQNR of the int8 outputs against the fake-quant outputs (dB)"})
+    min_top1_agreement: float = field(default=0.98, metadata={"help": "minimum share of rows whose argmax agrees"})
+    on_breach: OnBreach = field(default=OnBreach.fail, metadata={"help": "fail (exit 1), warn (keep int8, say so), fallback (ship the fake-quant module)"})
+    batches: int = field(default=4, metadata={"help": "held batches compared (validation loader, else training batches)"})
+
+
 @dataclass
 class QuantConf:
     """What to quantize, how, and when."""
@@ -139,6 +162,9 @@ class QuantConf:
     lowering_candidates: List[str] = field(default_factory=list, metadata={"help": "runtimes lowering=auto tries (empty: fx, onnxruntime, inductor)"})
     lowering_batch_size: int = field(default=32, metadata={"help": "batch size lowering=auto times and checks at (the example input tiled)"})
     lowering_min_sqnr_db: float = field(default=25.0, metadata={"help": "lowering=auto: minimum output SQNR vs the fake-quant model (or within 1 dB of the fx module's)"})
+    fidelity: FidelityConf = field(default_factory=FidelityConf, metadata={"help": "the fit-end int8 vs fake-quant gate"})
+    on_incomplete_schedule: OnIncomplete = field(default=OnIncomplete.calibrate, metadata={"help": "a fit that ends before fake-quant started: calibrate (on training batches, then convert, with a warning) or error"})
+    calibration_batches: int = field(default=16, metadata={"help": "training batches on_incomplete_schedule=calibrate uses"})
 
 
 @dataclass
@@ -204,3 +230,21 @@ class TrainConfig:
     export: ExportConf = field(default_factory=ExportConf, metadata={"help": "exported artifacts"})
     parity: ParityConf = field(default_factory=ParityConf, metadata={"help": "the fake-vs-real parity gate"})
     trusted_modules: List[str] = field(default_factory=list, metadata={"help": "your modules whose own classes and functions a config may name, beyond the built-in set (README: Security); command line or QLIGHTNING_TRUSTED_MODULES only, never a recipe"})
+
+
+def section(cfg: Any, key: str) -> Any:
+    """``cfg.<key>`` merged over the schema defaults (works for a plain dict from a checkpoint too)."""
+    from omegaconf import OmegaConf
+
+    schema = {"export": ExportConf, "parity": ParityConf, "report": ReportConf}[key]
+    node = None
+    if cfg is not None:
+        node = cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
+    base = OmegaConf.structured(schema)
+    merged = OmegaConf.merge(base, node) if node is not None else base
+    return OmegaConf.to_container(merged, resolve=True, enum_to_str=True)
+
+
+def sections(cfg: Any) -> dict[str, Any]:
+    """The ``export``, ``parity`` and ``report`` sections of a run config, as plain dicts over the defaults."""
+    return {key: section(cfg, key) for key in ("export", "parity", "report")}

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from qlightning.capture import resolve_targets
+from qlightning.core.inputs import resolve_targets
 from qlightning.config.build import build_callback, check_targets, instantiate_checked
 from qlightning.config.checkpoint_check import check_checkpoint
 from qlightning.config.export_schema import check_export_config

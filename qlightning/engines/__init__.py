@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from qlightning.engines.base import BACKENDS, Inputs, QuantEngine, QuantSpec
 from qlightning.errors import ConfigError
 
 ENGINES = ("fx", "pt2e")
 
-#: What each engine reads from ``engine_options`` (``quant.engine_options``): name -> (kind, meaning).
+#: What each engine reads from ``engine_options``: name -> (kind, meaning).
 ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
     "fx": {
         "fast_qat": (bool, "vectorized fake-quant, fused ReLU, conv-bn and linear paths in training (default true)"),
@@ -51,14 +53,21 @@ def get_engine(name: str) -> QuantEngine:
     torch/torchao support is missing raises :class:`~qlightning.errors.EngineUnavailableError` here.
     """
     if name == "fx":
-        from qlightning.engines.fx import FxEngine
+        from qlightning.engines.fx.engine import FxEngine
 
         return FxEngine()
     if name == "pt2e":
-        from qlightning.engines.pt2e import Pt2eEngine
+        from qlightning.engines.pt2e.engine import Pt2eEngine
 
         return Pt2eEngine()
-    raise ConfigError(f"quant.engine={name!r}: unknown engine; valid choices: {list(ENGINES)}")
+    raise ConfigError(f"engine={name!r}: unknown engine; valid choices: {list(ENGINES)}")
 
 
-__all__ = ["BACKENDS", "ENGINES", "ENGINE_OPTIONS", "check_engine_options", "Inputs", "QuantEngine", "QuantSpec", "get_engine"]
+def quantized_decomposed_ops() -> Any:
+    """``torch.ops.quantized_decomposed`` (the q/dq ops of reference graphs), registered on first use."""
+    from qlightning.engines.fx.reference import quantized_decomposed_ops as ops  # lazy: imports torch.ao
+
+    return ops()
+
+
+__all__ = ["quantized_decomposed_ops", "BACKENDS", "ENGINES", "ENGINE_OPTIONS", "check_engine_options", "Inputs", "QuantEngine", "QuantSpec", "get_engine"]

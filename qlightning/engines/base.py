@@ -7,6 +7,7 @@ knows torch.ao or torchao internals lives behind it, in one module per engine.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Optional
@@ -14,7 +15,8 @@ from typing import Any, ClassVar, Iterator, Optional
 import torch
 from torch import nn
 
-from qlightning.schedule import Phase
+from qlightning.core.inputs import Inputs
+from qlightning.core.schedule import Phase
 
 BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")
 
@@ -41,14 +43,6 @@ class QuantSpec:
     backend_config: Any = None
     is_qat: bool = True
     options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Inputs:
-    """Example positional and keyword inputs of one submodule, captured from a real forward."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class QuantEngine(ABC):
@@ -93,6 +87,19 @@ class QuantEngine(ABC):
     def describe_qparams(self, module: nn.Module) -> dict[str, dict[str, Any]]:
         """Scale / zero point summaries per observer, for logging and reports."""
         return {}
+
+    def reference_module(self, prepared: nn.Module, int8: nn.Module, spec: Optional[QuantSpec]) -> nn.Module:
+        """A float graph of quantize/dequantize ops that computes what ``int8`` computes.
+
+        The exporters (ONNX, ``.pt2``) and the lowering candidates start from it. The default is a
+        copy of the converted module, right for engines whose int8 model already is such a graph.
+
+        Args:
+            prepared: the prepared (fake-quant) module ``int8`` was converted from; never modified.
+            int8: the engine's converted module.
+            spec: the spec it was converted with (``None``: the engine's defaults).
+        """
+        return copy.deepcopy(int8).eval()
 
 
 def quantized_engine(backend: str) -> "torch.backends.quantized._QEngineProp":

@@ -15,7 +15,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from qlightning.checkpoint import ResumableDataLoader
+from qlightning.callbacks.checkpoint import ResumableDataLoader
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -24,7 +24,7 @@ class EpochShuffleSampler(Sampler[int]):
     Lightning calls ``set_epoch`` before every epoch, so a run resumed from a checkpoint sees the
     same order in each epoch as the uninterrupted run (a plain ``shuffle=True`` loader re-created
     on resume would restart its generator). The training loader is a
-    :class:`~qlightning.checkpoint.ResumableDataLoader`, so a checkpoint taken in the middle of an
+    :class:`~qlightning.callbacks.checkpoint.ResumableDataLoader`, so a checkpoint taken in the middle of an
     epoch resumes with the batch that comes next in this order.
     """
 
@@ -161,17 +161,92 @@ class DigitsCNN(nn.Module):
         return self.classifier(torch.flatten(self.features(x), 1))
 
 
+class ResidualDWBlock(nn.Module):
+    """Depthwise 3x3 conv-bn-relu, pointwise 1x1 conv-bn, add the input, relu."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.dw = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.pw = nn.Sequential(nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c))
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.pw(self.dw(x)) + x)
+
+
+class ResidualDepthwiseCNN(nn.Module):
+    """A MobileNet-style residual net: conv-bn-relu stem, depthwise-separable residual blocks, pool, linear.
+
+    Depthwise convolutions and residual adds are where per-tensor activation scales and BatchNorm
+    folding hurt quantization most; one of the three nets the default QAT schedule was chosen on
+    (notes/defaults.md).
+    """
+
+    def __init__(self, c: int = 32, blocks: int = 3, num_classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.blocks = nn.Sequential(*[ResidualDWBlock(c) for _ in range(blocks)])
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(c, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+
+
+class RowTransformer(nn.Module):
+    """The 8 image rows as tokens: a Transformer encoder block that FX traces, for digits.
+
+    Linear embedding plus learned positions, one pre-LayerNorm block (2-head self-attention written
+    with ``nn.Linear`` / ``matmul`` / ``softmax``, ReLU MLP), mean pooling, a linear head. Shapes are
+    constants, so ``torch.fx`` traces it.
+    """
+
+    def __init__(self, d: int = 48, heads: int = 2, mlp: int = 96, num_classes: int = 10) -> None:
+        super().__init__()
+        self.d, self.heads, self.dh = d, heads, d // heads
+        self.embed = nn.Linear(8, d)
+        self.pos = nn.Parameter(torch.zeros(1, 8, d))
+        nn.init.normal_(self.pos, std=0.02)
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, mlp)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(mlp, d)
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, num_classes)
+        self.scale = self.dh**-0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x.reshape(-1, 8, 8)) + self.pos  # (N, 8 tokens, d)
+        qkv = self.qkv(self.ln1(x)).reshape(-1, 8, 3, self.heads, self.dh).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]  # (N, h, 8, dh)
+        attn = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * self.scale, dim=-1)
+        ctx = torch.matmul(attn, v).transpose(1, 2).reshape(-1, 8, self.d)
+        x = x + self.proj(ctx)
+        x = x + self.fc2(self.act(self.fc1(self.ln2(x))))
+        return self.head(self.ln_f(x).mean(dim=1))
+
+
 class ClassifierModule(pl.LightningModule):
     """A LightningModule around ``self.net`` with cross-entropy, Adam and torchmetrics accuracy.
 
     Every stage logs ``<stage>/loss`` and ``<stage>/accuracy``; the report reads the test ones.
     """
 
-    def __init__(self, net: nn.Module, lr: float = 1e-2, weight_decay: float = 0.0, num_classes: int = 10) -> None:
+    def __init__(self, net: nn.Module, lr: float = 1e-2, weight_decay: float = 0.0, num_classes: int = 10,
+                 optimizer: str = "adam", scheduler: str = "cosine") -> None:
         super().__init__()
+        if optimizer not in ("adam", "adamw", "sgd"):
+            raise ValueError(f"optimizer={optimizer!r}: valid choices: ['adam', 'adamw', 'sgd']")
+        if scheduler not in ("cosine", "constant"):
+            raise ValueError(f"scheduler={scheduler!r}: valid choices: ['cosine', 'constant']")
         self.net = net
         self.lr = lr
         self.weight_decay = weight_decay
+        self.optimizer_name = optimizer
+        self.scheduler_name = scheduler
         self.metrics = nn.ModuleDict(
             {
                 stage: torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
@@ -205,7 +280,13 @@ class ClassifierModule(pl.LightningModule):
         return self(batch[0]).argmax(dim=1)
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        if self.optimizer_name == "sgd":
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
+        else:
+            kind = torch.optim.AdamW if self.optimizer_name == "adamw" else torch.optim.Adam
+            optimizer = kind(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        if self.scheduler_name == "constant":
+            return optimizer
         # Cosine decay to zero: late QAT phases (observer and BatchNorm freeze) run at a small step size.
         total = max(1, int(self.trainer.estimated_stepping_batches))
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)

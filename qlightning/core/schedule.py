@@ -32,7 +32,10 @@ class Milestone:
         return f"step {self.step}" if self.step is not None else f"epoch {self.epoch}"
 
 
-MilestoneLike = Union[Milestone, Mapping[str, Any], None]
+MilestoneLike = Union[Milestone, Mapping[str, Any], str, None]
+
+#: a milestone left to the run: derived from its length (see :class:`AutoSchedule`)
+AUTO = "auto"
 
 
 def to_milestone(value: Any, key: str, errors: list[str]) -> Optional[Milestone]:
@@ -40,6 +43,9 @@ def to_milestone(value: Any, key: str, errors: list[str]) -> Optional[Milestone]
 
     Problems are appended to ``errors`` (naming ``key``) so every bad value is reported at once.
     """
+    if value == AUTO:
+        errors.append(f"{key}='auto': only the whole schedule can be derived from the run; give a milestone here")
+        return None
     if value is None or isinstance(value, Milestone):
         fields = {} if value is None else {"epoch": value.epoch, "step": value.step}
     elif isinstance(value, Mapping):
@@ -155,3 +161,66 @@ class Schedule:
             observe=not reached(self.observer_freeze, False),
             bn_frozen=reached(self.bn_freeze, False),
         )
+
+
+@dataclass(frozen=True)
+class AutoSchedule:
+    """The default schedule, derived from the length of the run.
+
+    Float for the first ``fake_quant_start`` share of the optimizer steps (observers calibrating
+    meanwhile), then fake-quant; observers freeze from the ``observer_freeze`` share on, so the last
+    stretch trains against the scales that ship. BatchNorm statistics are not frozen: in the study
+    (notes/defaults.md; 470 runs over SGD/Adam/AdamW, learning rates 1e-3 to 1e-1, constant and cosine
+    LR, from scratch and fine-tuning, a CNN, a residual depthwise net and a Transformer block, 2-3
+    seeds) every schedule that froze BN together with the observers collapsed some constant-LR runs
+    to chance (the same happens in float training with BN switched to eval mode), while freezing the
+    observers alone is what makes int8 match fake-quant.
+
+    Attributes:
+        fake_quant_start: share of the total steps trained in float first.
+        observer_freeze: share of the total steps after which observers freeze.
+    """
+
+    fake_quant_start: float = 0.5
+    observer_freeze: float = 0.85
+
+    def resolve(self, total_steps: int) -> Schedule:
+        """Step milestones for a run of ``total_steps`` optimizer steps (BN never frozen)."""
+        start = int(round(self.fake_quant_start * total_steps))
+        freeze = max(start + 1, int(round(self.observer_freeze * total_steps)))
+        return Schedule(Milestone(step=start), Milestone(step=max(1, freeze)), None)
+
+    def describe(self) -> str:
+        return (f"auto: float for the first {self.fake_quant_start:.0%} of the steps, fake-quant after, "
+                f"observers frozen from {self.observer_freeze:.0%}, BatchNorm statistics never frozen")
+
+
+def unreachable(schedule: Schedule, total_steps: Optional[float], steps_per_epoch: Optional[float],
+                limits: str = "", prefix: str = "") -> list[str]:
+    """Milestones a fit of ``total_steps`` optimizer steps (``steps_per_epoch`` a epoch) never reaches.
+
+    Args:
+        schedule: the milestones.
+        total_steps: optimizer steps of the whole fit (``trainer.estimated_stepping_batches``).
+        steps_per_epoch: optimizer steps of one epoch, to place epoch milestones.
+        limits: the Trainer limits in words (``max_epochs=2``), for the message.
+        prefix: prepended to each milestone's name.
+    """
+    if total_steps is None or total_steps == float("inf"):
+        return []
+    problems = []
+    for key in ("fake_quant_start", "observer_freeze", "bn_freeze"):
+        milestone = getattr(schedule, key)
+        if milestone is None:
+            continue
+        step = milestone.step if milestone.step is not None else (
+            None if not steps_per_epoch else milestone.epoch * steps_per_epoch)
+        if step is not None and step >= total_steps:
+            problems.append(
+                f"{prefix}{key}={{{'step' if milestone.step is not None else 'epoch'}: "
+                f"{milestone.step if milestone.step is not None else milestone.epoch}}}: the fit ends after "
+                f"{int(total_steps)} optimizer steps ({limits or 'the Trainer limits'}), so it is never reached "
+                f"and the model would be converted without training against quantization; move it earlier, "
+                f"train longer, or leave the schedule to the run (the default)"
+            )
+    return problems

@@ -44,15 +44,15 @@ from torch import nn
 
 from qlightning.engines.base import Inputs, QuantEngine, QuantSpec
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
-from qlightning.schedule import Phase
+from qlightning.core.schedule import Phase
 
 _STATE_KEY = "qlightning_pt2e"  # in GraphModule.meta (deep-copied with the module)
 
 # Keys that only the FX engine understands: (QuantSpec attribute or option, config key to name).
 _FX_ONLY = (
-    ("prepare_custom_config", "quant.prepare_custom_config"),
-    ("convert_custom_config", "quant.convert_custom_config"),
-    ("backend_config", "quant.backend_config"),
+    ("prepare_custom_config", "prepare_custom_config"),
+    ("convert_custom_config", "convert_custom_config"),
+    ("backend_config", "backend_config"),
 )
 
 
@@ -92,9 +92,9 @@ def load_torchao() -> SimpleNamespace:
             )
     except ImportError as exc:
         raise EngineUnavailableError(
-            f"quant.engine='pt2e' needs torchao with PT2E quantization (torchao.quantization.pt2e), "
+            f"engine='pt2e' needs torchao with PT2E quantization (torchao.quantization.pt2e), "
             f"which could not be imported ({exc}). Install it with `pip install torchao` (a version "
-            f"matching torch {torch.__version__}), or use quant.engine=fx."
+            f"matching torch {torch.__version__}), or use engine='fx'."
         ) from exc
     # Quantizers written against torch.ao (older torchao / user code) use torch.ao's classes.
     fake_quant_types: tuple[type, ...] = (FakeQuantizeBase,)
@@ -531,27 +531,27 @@ class Pt2eEngine(QuantEngine):
         custom_quantizer = isinstance(spec.qconfig_mapping, self.ao.Quantizer)
         if spec.qconfig_mapping is not None and not custom_quantizer:
             errors.append(
-                "quant.qconfig_mapping: the pt2e engine takes a torchao Quantizer instance (e.g. "
+                "qconfig_mapping: the pt2e engine takes a torchao Quantizer instance (e.g. "
                 f"X86InductorQuantizer), got {type(spec.qconfig_mapping).__name__}; "
-                "use quant.engine=fx for a QConfigMapping"
+                "use engine='fx' for a QConfigMapping"
             )
         if spec.backend != "x86" and not custom_quantizer:
             errors.append(
-                f"quant.backend={spec.backend!r}: the pt2e engine supports only 'x86' (X86InductorQuantizer, "
-                "lowered by inductor); use quant.backend=x86, pass your own torchao Quantizer, or use quant.engine=fx"
+                f"backend={spec.backend!r}: the pt2e engine supports only 'x86' (X86InductorQuantizer, "
+                "lowered by inductor); use backend='x86', pass your own torchao Quantizer, or use engine='fx'"
             )
         for attr, key in _FX_ONLY:
             if getattr(spec, attr) is not None:
-                errors.append(f"{key}: only the FX engine supports it; use quant.engine=fx or remove {key}")
+                errors.append(f"{key}: only the FX engine supports it; use engine='fx' or remove {key}")
         if spec.options.get("equalization_config") is not None or spec.options.get("equalization") is not None:
             errors.append(
-                "quant.equalization_config: only the FX engine supports it; use quant.engine=fx or remove it"
+                "equalization_config: only the FX engine supports it; use engine='fx' or remove it"
             )
         if errors:
             raise ConfigError(errors)
 
     def quantizer_from_data(self, data: Any, is_qat: bool, errors: list[str], trusted: Any = ()) -> Any:
-        """Map ``quant.qconfig_mapping`` onto ``X86InductorQuantizer`` where the meaning is the same.
+        """Map ``qconfig_mapping`` onto ``X86InductorQuantizer`` where the meaning is the same.
 
         ``global``, ``object_type`` and ``module_name`` carry over; each qconfig may be ``default``,
         ``dynamic``, ``reduce_range`` (for CPUs without VNNI) or ``null``. Presets, observer specs,
@@ -571,17 +571,17 @@ class Pt2eEngine(QuantEngine):
                 return self.ao.get_default_x86_inductor_quantization_config(is_qat=is_qat, **variants[value])
             errors.append(
                 f"{key}={value!r}: the pt2e engine (X86InductorQuantizer) takes {sorted(variants)} or null; "
-                "qconfig presets and observer specs need quant.engine=fx"
+                "qconfig presets and observer specs need engine='fx'"
             )
             return None
 
         for key in sorted(set(data) - {"global", "object_type", "module_name"}):
-            errors.append(f"quant.qconfig_mapping.{key}: not supported by the pt2e engine; use quant.engine=fx")
-        global_config = config(data.get("global", "default"), "quant.qconfig_mapping.global")
+            errors.append(f"qconfig_mapping.{key}: not supported by the pt2e engine; use engine='fx'")
+        global_config = config(data.get("global", "default"), "qconfig_mapping.global")
         if global_config is not None:
             quantizer.set_global(global_config)
         for i, item in enumerate(data.get("object_type") or []):
-            key = f"quant.qconfig_mapping.object_type[{i}]"
+            key = f"qconfig_mapping.object_type[{i}]"
             target = resolve_reference(item.get("type"), f"{key}.type", errors, trusted, object_type=True)
             value = config(item.get("qconfig"), f"{key}.qconfig")
             if target is not None:
@@ -590,7 +590,7 @@ class Pt2eEngine(QuantEngine):
                 except Exception as exc:  # X86InductorQuantizer supports a fixed set of module types
                     errors.append(f"{key}.type={item.get('type')!r}: X86InductorQuantizer cannot configure it ({exc})")
         for i, item in enumerate(data.get("module_name") or []):
-            key = f"quant.qconfig_mapping.module_name[{i}]"
+            key = f"qconfig_mapping.module_name[{i}]"
             quantizer.set_module_name_qconfig(str(item.get("name")), config(item.get("qconfig"), f"{key}.qconfig"))
         return quantizer
 
@@ -683,8 +683,8 @@ class Pt2eEngine(QuantEngine):
         except Exception as exc:  # torch.export raises many kinds (UserError, Unsupported, TypeError, ...)
             raise TraceError(
                 f"torch.export could not capture {type(module).__name__}: {type(exc).__name__}: {str(exc)[:2000]}. "
-                "Quantize a smaller submodule that exports (quant.modules); if the batch dimension is the problem, "
-                "set engine_options dynamic_batch=false; or try quant.engine=fx."
+                "Quantize a smaller submodule that exports (modules); if the batch dimension is the problem, "
+                "set engine_options dynamic_batch=false; or try engine='fx'."
             ) from exc
         graph = exported.module()
         _eliminate_dead_code(graph)

@@ -11,15 +11,115 @@ from __future__ import annotations
 import contextlib
 import difflib
 import fnmatch
+import inspect
 import random
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs
 from qlightning.errors import ConfigError
+
+
+@dataclass
+class Inputs:
+    """Example positional and keyword inputs of one submodule, captured from a real forward.
+
+    Attributes:
+        args: positional inputs, in order.
+        kwargs: keyword inputs by name.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def as_inputs(value: Any) -> Inputs:
+    """``Inputs`` from what a user passes: a tensor, a tuple of args, a dict of keyword inputs, or ``Inputs``."""
+    if isinstance(value, Inputs):
+        return value
+    if isinstance(value, torch.Tensor):
+        return Inputs((value,))
+    if isinstance(value, Mapping):
+        return Inputs((), dict(value))
+    return Inputs(tuple(value))
+
+
+def source_of(module: nn.Module) -> nn.Module:
+    """The engine's converted module behind a lowered runtime wrapper (the module itself otherwise)."""
+    return module.__dict__.get("_qlightning_source", module)
+
+
+def attach_source(wrapper: nn.Module, source: nn.Module) -> nn.Module:
+    """Remember ``source`` behind ``wrapper`` (not as a child: the wrapper's state_dict holds only what it runs)."""
+    wrapper.__dict__["_qlightning_source"] = source
+    return wrapper
+
+
+def positional_args(module: nn.Module, inputs: Inputs) -> tuple[Any, ...]:
+    """Keyword inputs bound to their positions in ``module.forward`` (tracers and exported programs take positions).
+
+    Bound against the engine's module behind a lowering wrapper (whose ``forward(*args, **kwargs)``
+    would swallow the keywords into one dict).
+
+    Args:
+        module: the module (or lowering wrapper) the inputs are for.
+        inputs: positional and keyword inputs of one call.
+    """
+    if not inputs.kwargs:
+        return tuple(inputs.args)
+    target = source_of(module)
+    signature = inspect.signature(target.forward)
+    bound = signature.bind_partial(*inputs.args, **inputs.kwargs)
+    variadic = [p.name for p in signature.parameters.values() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if any(name in bound.arguments for name in variadic):
+        raise TypeError(
+            f"cannot bind keyword inputs {sorted(inputs.kwargs)} to positions: {type(target).__name__}.forward"
+            f"{signature} takes them as *args/**kwargs"
+        )
+    return tuple(bound.arguments.values())
+
+
+def tile(value: Any, batch: int) -> Any:
+    """Repeat every tensor of a (nested) value along dim 0 to exactly ``batch`` rows."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        reps = -(-batch // value.shape[0])
+        return value.repeat(reps, *([1] * (value.dim() - 1)))[:batch]
+    if isinstance(value, (tuple, list)):
+        return type(value)(tile(v, batch) for v in value)
+    if isinstance(value, dict):
+        return {k: tile(v, batch) for k, v in value.items()}
+    return value
+
+
+def tile_inputs(inputs: Inputs, batch: int) -> Inputs:
+    """``inputs`` with every tensor tiled to ``batch`` rows."""
+    return Inputs(tile(tuple(inputs.args), batch), tile(dict(inputs.kwargs), batch))
+
+
+def slice_rows(inputs: Inputs, rows: int) -> Inputs:
+    """``inputs`` with every tensor cut to its first ``rows`` rows."""
+
+    def cut(v: Any) -> Any:
+        return v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+
+    return Inputs(tuple(cut(a) for a in inputs.args), {k: cut(v) for k, v in inputs.kwargs.items()})
+
+
+def flat_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a (nested) output, in pytree order; quantized tensors are dequantized."""
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return [t.dequantize() if t.is_quantized else t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def first_tensor(value: Any) -> torch.Tensor:
+    """The first tensor of a (nested) output."""
+    tensors = flat_tensors(value)
+    if not tensors:
+        raise TypeError(f"the module returned no tensor ({type(value).__name__})")
+    return tensors[0]
 
 
 class _AllCaptured(Exception):
@@ -58,10 +158,10 @@ def resolve_targets(root: nn.Module, names: Sequence[str], key: str = "modules")
     return outer
 
 
-class _RandomStates:
+class RandomStates:
     """Save and restore python, numpy and torch random states around a side-trip."""
 
-    def __enter__(self) -> "_RandomStates":
+    def __enter__(self) -> "RandomStates":
         self.py, self.np, self.torch = random.getstate(), np.random.get_state(), torch.get_rng_state()
         return self
 
@@ -71,13 +171,13 @@ class _RandomStates:
         torch.set_rng_state(self.torch)
 
 
-def _detach(value: Any) -> Any:
+def detach(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, (list, tuple)):
-        return type(value)(_detach(v) for v in value)
+        return type(value)(detach(v) for v in value)
     if isinstance(value, dict):
-        return {k: _detach(v) for k, v in value.items()}
+        return {k: detach(v) for k, v in value.items()}
     return value
 
 
@@ -94,7 +194,7 @@ def capture_inputs(root: nn.Module, targets: Iterable[str], run: Callable[[], An
     def make_hook(name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if name not in captured:
-                captured[name] = Inputs(_detach(tuple(args)), _detach(dict(kwargs)))
+                captured[name] = Inputs(detach(tuple(args)), detach(dict(kwargs)))
             if len(captured) == len(targets):
                 raise _AllCaptured
 
@@ -103,7 +203,7 @@ def capture_inputs(root: nn.Module, targets: Iterable[str], run: Callable[[], An
     for name in targets:
         handles.append(root.get_submodule(name).register_forward_pre_hook(make_hook(name), with_kwargs=True))
     try:
-        with _RandomStates(), evaluating(root):
+        with RandomStates(), evaluating(root):
             run()
     except _AllCaptured:
         pass
@@ -151,7 +251,7 @@ def example_inputs_for(
         found.update(capture_inputs(pl_module, missing, run_example))
         missing = [t for t in targets if t not in found]
     if missing and batch_source is not None:
-        with _RandomStates():
+        with RandomStates():
             batch = batch_source()
         if batch is not None:
             found.update(capture_inputs(pl_module, missing, lambda: pl_module.training_step(batch, 0)))

@@ -25,40 +25,14 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs
+from qlightning.core.inputs import Inputs, first_tensor, flat_tensors
+from qlightning.core.metrics import MAX_SQNR_DB, ratio_db, sqnr_db, top1_agreement  # noqa: F401  re-exported
+from qlightning.core.fidelity import _is_quant_module, layer_nodes, per_layer_sqnr, record, worst_layers  # noqa: F401  re-exported
 from qlightning.errors import QLightningError
-
-MAX_SQNR_DB = 200.0  # identical outputs; keeps report.json plain JSON (no Infinity)
-
+from qlightning.run.report import quiet_lightning
 
 class ParityError(QLightningError, RuntimeError):
     """An int8 model or an exported artifact does not reproduce what it should (see ``parity.*``)."""
-
-
-def sqnr_db(reference: torch.Tensor, candidate: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio of ``candidate`` against ``reference``, in dB (capped at 200)."""
-    ref = reference.detach().double().flatten()
-    cand = candidate.detach().double().flatten()
-    if ref.shape != cand.shape:
-        return -MAX_SQNR_DB
-    return _ratio_db(float(ref.pow(2).sum()), float((ref - cand).pow(2).sum()))
-
-
-def _ratio_db(signal: float, noise: float) -> float:
-    if not math.isfinite(noise) or not math.isfinite(signal):
-        return -MAX_SQNR_DB
-    if noise <= 0.0:
-        return MAX_SQNR_DB
-    if signal <= 0.0:
-        return -MAX_SQNR_DB
-    return max(-MAX_SQNR_DB, min(MAX_SQNR_DB, 10.0 * math.log10(signal / noise)))
-
-
-def top1_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> Optional[float]:
-    """Share of rows whose argmax over the last dim agrees; ``None`` when there is no class dimension."""
-    if reference.dim() < 2 or reference.shape[-1] < 2 or reference.shape != candidate.shape:
-        return None
-    return float((reference.argmax(-1) == candidate.argmax(-1)).double().mean())
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -76,8 +50,6 @@ def capture_heldout(
     Runs ``trainer.test`` (so the LightningModule's own ``test_step`` feeds the submodules) with a
     forward pre-hook on each target; returns an empty list for a target whose inputs were not seen.
     """
-    from qlightning.report import quiet_lightning
-
     captured: dict[str, list[Inputs]] = {name: [] for name in targets}
     handles = []
     for name in targets:
@@ -99,19 +71,8 @@ def capture_heldout(
 # ---------------------------------------------------------------------------------------------- outputs
 
 
-def first_tensor(value: Any) -> torch.Tensor:
-    from qlightning.export import flat_tensors
-
-    tensors = flat_tensors(value)
-    if not tensors:
-        raise TypeError(f"the module returned no tensor ({type(value).__name__})")
-    return tensors[0]
-
-
 def run_batches(fn: Callable[..., Any], batches: Sequence[tuple[Any, ...]]) -> list[torch.Tensor]:
     """Every output tensor of ``fn`` on each batch of positional args, flattened per batch and concatenated."""
-    from qlightning.export import flat_tensors
-
     per_output: list[list[torch.Tensor]] = []
     with torch.inference_mode():
         for args in batches:
@@ -181,7 +142,7 @@ def compare(
             noise += float((r.double() - c.double()).pow(2).sum())
         top1 = top1_agreement(ref[0], cand[0]) if ref and cand else None
         samples = int(ref[0].shape[0]) if ref and ref[0].dim() > 0 else 1
-        checks.append(Check(module, candidate, reference, _ratio_db(signal, noise), top1, gated, True, samples))
+        checks.append(Check(module, candidate, reference, ratio_db(signal, noise), top1, gated, True, samples))
     return checks
 
 
@@ -230,110 +191,6 @@ def breach_message(
 
 
 # ---------------------------------------------------------------------------------------------- per layer
-
-
-def _is_quant_module(module: Any) -> bool:
-    return hasattr(module, "fake_quant_enabled") or hasattr(module, "calculate_qparams")
-
-
-def _is_quant_step(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    if node.op == "call_module":
-        return _is_quant_module(gm.get_submodule(node.target))
-    if node.op == "call_method":
-        return node.target == "dequantize"
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "") or str(node.target)
-        return (
-            node.target in (torch.quantize_per_tensor, torch.quantize_per_channel, torch.dequantize)
-            or "quantized_decomposed" in str(node.target)
-            or name in ("quantize_per_tensor", "dequantize")
-        )
-    return False
-
-
-def layer_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
-    """``{layer (call_module target): node whose value is the layer's (re)quantized output}``."""
-    layers = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or _is_quant_step(gm, node):
-            continue
-        end = node
-        while len(end.users) == 1:
-            user = next(iter(end.users))
-            if not _is_quant_step(gm, user):
-                break
-            end = user
-        layers[str(node.target)] = end.name
-    return layers
-
-
-class _Recorder(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, keep: set[str]) -> None:
-        super().__init__(gm)
-        self.keep = keep
-        self.values: dict[str, Any] = {}
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        out = super().run_node(n)
-        if n.name in self.keep and isinstance(out, torch.Tensor):
-            self.values[n.name] = (out.dequantize() if out.is_quantized else out).detach().float()
-        return out
-
-
-def record(gm: torch.fx.GraphModule, args: tuple[Any, ...], keep: set[str]) -> dict[str, torch.Tensor]:
-    recorder = _Recorder(gm, keep)
-    with torch.inference_mode():
-        recorder.run(*args)
-    return recorder.values
-
-
-def per_layer_sqnr(
-    prefix: str,
-    versions: dict[str, Optional[nn.Module]],
-    batches: Sequence[tuple[Any, ...]],
-    pairs: Sequence[tuple[str, str, str]] = (
-        ("fake_quant_sqnr_db", "fake_quant", "fp32"),
-        ("int8_sqnr_db", "int8", "fp32"),
-        ("conversion_sqnr_db", "int8", "reference"),
-    ),
-) -> list[dict[str, Any]]:
-    """SQNR of every layer's output for each ``(column, candidate, reference)`` of graph-mode versions.
-
-    Returns one row per layer in graph order: ``{"layer": "<prefix>.<module path>", column: dB, ...}``.
-    Layers are the ``call_module`` nodes of the int8 graph that the other versions have too; columns
-    whose versions are not GraphModules are left out.
-    """
-    graphs = {k: v for k, v in versions.items() if isinstance(v, torch.fx.GraphModule)}
-    if "int8" not in graphs:
-        return []
-    nodes = {k: layer_nodes(g) for k, g in graphs.items()}
-    order = list(nodes["int8"])
-    sums: dict[tuple[str, str], list[float]] = {}
-    for args in batches:
-        values = {k: record(g, args, set(nodes[k].values())) for k, g in graphs.items()}
-        for column, cand, ref in pairs:
-            if cand not in graphs or ref not in graphs:
-                continue
-            for layer in order:
-                a = values[cand].get(nodes[cand].get(layer, ""))
-                b = values[ref].get(nodes[ref].get(layer, ""))
-                if a is None or b is None or a.shape != b.shape:
-                    continue
-                acc = sums.setdefault((layer, column), [0.0, 0.0])
-                acc[0] += float(b.double().pow(2).sum())
-                acc[1] += float((a.double() - b.double()).pow(2).sum())
-    table: list[dict[str, Any]] = []
-    for layer in order:
-        row = {column: round(_ratio_db(*sums[(layer, column)]), 3) for column, _, _ in pairs if (layer, column) in sums}
-        if row:
-            table.append({"layer": f"{prefix}.{layer}" if prefix else layer, **row})
-    return table
-
-
-def worst_layers(layers: Sequence[dict[str, Any]], column: str = "int8_sqnr_db", count: int = 5) -> list[str]:
-    """The ``count`` layers with the lowest SQNR in ``column``."""
-    rows = [(row[column], row["layer"]) for row in layers if row.get(column) is not None]
-    return [name for _, name in sorted(rows)[:count]]
 
 
 # ---------------------------------------------------------------------------------------------- ranges

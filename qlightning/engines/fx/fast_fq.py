@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from qlightning.engines.fx import quiet_torch_ao
+from qlightning.engines.fx.ao import quiet_torch_ao
 
 with quiet_torch_ao():
     from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize

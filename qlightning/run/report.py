@@ -7,12 +7,9 @@ converted model.
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import logging
-import statistics
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -21,9 +18,10 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from qlightning.callbacks.qat import QuantizationAwareTraining, _set_submodule
-from qlightning.engines.base import Inputs
-from qlightning.schedule import Phase
+from qlightning.core.inputs import Inputs, tile_inputs
+from qlightning.core.metrics import median_latency_ms
+from qlightning.core.quiet import quiet
+from qlightning.core.session import QuantSession, session_of, set_submodule
 
 VARIANTS = ("fp32", "ptq", "fake_quant", "int8")
 
@@ -49,16 +47,9 @@ def evaluation_trainer(limit_test_batches: Any = None) -> pl.Trainer:
     )
 
 
-@contextmanager
-def quiet_lightning() -> Iterator[None]:
+def quiet_lightning() -> Any:
     """Silence Lightning's per-Trainer banners (GPU/TPU available, tips) for the report's evaluations."""
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return quiet(loggers=("lightning.pytorch.utilities.rank_zero",), level=logging.WARNING)
 
 
 @contextmanager
@@ -67,56 +58,11 @@ def swapped(pl_module: pl.LightningModule, modules: dict[str, nn.Module]) -> Ite
     originals = {name: pl_module.get_submodule(name) for name in modules}
     try:
         for name, module in modules.items():
-            _set_submodule(pl_module, name, module)
+            set_submodule(pl_module, name, module)
         yield
     finally:
         for name, module in originals.items():
-            _set_submodule(pl_module, name, module)
-
-
-def variants(callback: QuantizationAwareTraining, pl_module: pl.LightningModule) -> dict[str, dict[str, nn.Module]]:
-    """The fp32, (ptq,) fake-quant and int8 versions of every quantized submodule."""
-    int8 = {n: pl_module.get_submodule(n) for n in callback.targets}
-    if not hasattr(callback, "fake_quant_modules"):  # PostTrainingQuantization: float and int8 only
-        return {"fp32": {n: callback.float_modules[n] for n in callback.targets}, "int8": int8}
-    fake = {name: callback.fake_quant_modules[name] for name in callback.targets}
-    fp32 = {}
-    for name, module in fake.items():
-        fp32[name] = copy.deepcopy(module).eval()
-        if callback.float_snapshot is not None:
-            fp32[name].load_state_dict(callback.float_snapshot[name])
-        callback.engine.set_phase(fp32[name], Phase(fake_quant=False, observe=False, bn_frozen=True))
-    for module in fake.values():
-        callback.engine.set_observers(module, False)
-    out = {"fp32": fp32}
-    ptq = getattr(callback, "ptq_modules", None) or {}
-    if callback.targets and all(name in ptq for name in callback.targets):
-        out["ptq"] = {name: ptq[name] for name in callback.targets}  # PTQ baseline (ptq_baseline=)
-    out.update({"fake_quant": fake, "int8": int8})
-    return out
-
-
-def _tile(value: Any, batch: int) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
-        reps = -(-batch // value.shape[0])
-        return value.repeat(reps, *([1] * (value.dim() - 1)))[:batch]
-    if isinstance(value, (tuple, list)):
-        return type(value)(_tile(v, batch) for v in value)
-    if isinstance(value, dict):
-        return {k: _tile(v, batch) for k, v in value.items()}
-    return value
-
-
-def median_latency_ms(module: nn.Module, inputs: Inputs, repeats: int, warmup: int = 5) -> float:
-    """Median wall time of one forward, in milliseconds."""
-    times = []
-    with torch.inference_mode():
-        for i in range(warmup + repeats):
-            start = time.perf_counter()
-            module(*inputs.args, **inputs.kwargs)
-            if i >= warmup:
-                times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+            set_submodule(pl_module, name, module)
 
 
 def evaluate(
@@ -147,7 +93,7 @@ def evaluate(
 
 
 def build_report(
-    callback: QuantizationAwareTraining,
+    session: QuantSession,
     pl_module: pl.LightningModule,
     datamodule: Any,
     trainer_factory: Callable[[], pl.Trainer],
@@ -155,16 +101,17 @@ def build_report(
     repeats: int = 30,
     threads: Optional[int] = None,
 ) -> dict[str, Any]:
-    versions = variants(callback, pl_module)
+    session = session_of(session)
+    versions = session.variants(pl_module)
     metrics, seen = evaluate(trainer_factory, pl_module, datamodule, versions)
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
         latency = {variant: 0.0 for variant in ("fp32", "ptq", "int8") if variant in versions}
-        for name in callback.targets:
-            inputs = seen.get(name) or callback.inputs[name]
-            batch = Inputs(_tile(inputs.args, batch_size), _tile(inputs.kwargs, batch_size))
+        for name in session.targets:
+            inputs = seen.get(name) or session.inputs[name]
+            batch = tile_inputs(inputs, batch_size)
             for variant in latency:
                 latency[variant] += median_latency_ms(versions[variant][name], batch, repeats)
     finally:
@@ -172,20 +119,20 @@ def build_report(
     # fp32 size: the float weights alone, without the observer / fake-quant state QAT added
     size = {
         "fp32": sum(
-            state_dict_bytes(m, skip=(n for n, _ in callback.engine.quant_state(m))) for m in versions["fp32"].values()
+            state_dict_bytes(m, skip=(n for n, _ in session.engine.quant_state(m))) for m in versions["fp32"].values()
         ),
         "int8": sum(state_dict_bytes(m) for m in versions["int8"].values()),
     }
     if "ptq" in versions:
         size["ptq"] = sum(state_dict_bytes(m) for m in versions["ptq"].values())
     return {
-        "fp32_is": "the float weights at fake-quant start" if getattr(callback, "float_snapshot", None) is not None
-        else "the float model before conversion" if not hasattr(callback, "fake_quant_modules")
-        else "the final weights with quantization switched off",
-        "modules": list(callback.targets),
-        "engine": callback.engine.name,
-        "lowering": dict(getattr(callback, "lowering_choices", {}) or {}),
-        "backend": callback.backend,
+        "fp32_is": session.fp32_is,
+        "fidelity": dict(session.fidelity_results),
+        "notices": list(session.notices),
+        "modules": list(session.targets),
+        "engine": session.engine.name,
+        "lowering": dict(session.lowering_choices),
+        "backend": session.backend,
         "metrics": metrics,
         "size_bytes": size,
         "latency_ms": {k: round(v, 4) for k, v in latency.items()},
@@ -226,7 +173,6 @@ def to_markdown(report: dict[str, Any]) -> str:
         + (" ptq = post-training quantization of the float weights at fake-quant start (a baseline)."
            if "ptq" in report["metrics"] else ""),
     ]
-    from qlightning.artifacts import markdown_sections  # exports, parity, per-layer SQNR, ranges, latency, plots
 
     return "\n".join(lines) + "\n" + markdown_sections(report)
 
@@ -259,3 +205,118 @@ def print_table(report: dict[str, Any]) -> None:
             f"{lat:.3f}" if lat is not None else "",
         )
     Console().print(table)
+
+
+# ---------------------------------------------------------------------------------------------- markdown: exports, parity, per-layer SQNR, ranges, latency, plots
+
+SECTION_MARK = "## Exported artifacts"
+
+
+def _fmt(value: Any, spec: str = ".1f", none: str = "") -> str:
+    if value is None:
+        return none
+    return format(value, spec)
+
+
+def markdown_sections(report: dict[str, Any]) -> str:
+    """The report.md sections of exports, parity, per-layer SQNR, ranges, sizes and latency."""
+    lines: list[str] = []
+    exports = report.get("exports") or {}
+    if exports:
+        lines += ["", SECTION_MARK, "", "| module | format | file | size (KiB) | export (s) | status |", "|---|---|---|---|---|---|"]
+        for module, by_format in exports.items():
+            for fmt, a in by_format.items():
+                size = a.get("size_bytes")
+                status = "ok" if not a.get("error") else f"failed: {a['error'][:120]}"
+                lines.append(
+                    f"| {module} | {fmt} | {a.get('path') or ''} | {_fmt(size / 1024 if size else None)} | "
+                    f"{_fmt(a.get('export_s'), '.2f')} | {status} |"
+                )
+        lines += ["", "Each artifact has a manifest `<file>.json` (inputs, outputs, backend, qparams, provenance)."]
+    parity = report.get("parity") or {}
+    if parity.get("checks"):
+        th = parity.get("thresholds", {})
+        verdict = "passed" if parity.get("passed") else f"FAILED (on_breach={parity.get('on_breach')})"
+        lines += [
+            "",
+            "## Parity",
+            "",
+            f"Gate {verdict}: SQNR >= {th.get('min_sqnr_db')} dB and top-1 agreement >= {th.get('min_top1_agreement')} "
+            f"for the gated rows; {parity.get('samples')} samples, {parity.get('inputs')}.",
+            "",
+            "| module | candidate | reference | SQNR (dB) | top-1 agreement | gated | result |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in parity["checks"]:
+            result = ("pass" if c.get("passed") else "**FAIL**") if c.get("gated") else "info"
+            if c.get("error"):
+                result += f" ({c['error'][:100]})"
+            lines.append(
+                f"| {c['module']} | {c['candidate']} | {c['reference']} | {_fmt(c.get('sqnr_db'))} | "
+                f"{_fmt(c.get('top1_agreement'), '.4f')} | {'yes' if c.get('gated') else 'no'} | {result} |"
+            )
+        lines += [
+            "",
+            "int8_reference = the same quantized graph simulated in float (decomposed reference model): int8 against "
+            "it checks conversion and lowering; each artifact is checked against int8.",
+        ]
+    layers = report.get("layers") or []
+    if layers:
+        worst = report.get("worst_layers") or []
+        lines += ["", "## Per-layer SQNR", ""]
+        if worst:
+            lines += [f"Five worst layers (int8 vs fp32): {', '.join(f'`{w}`' for w in worst)}.", ""]
+        lines += ["| layer | fake-quant vs fp32 (dB) | int8 vs fp32 (dB) | int8 vs reference (dB) |", "|---|---|---|---|"]
+        for row in layers:
+            lines.append(
+                f"| {row['layer']} | {_fmt(row.get('fake_quant_sqnr_db'))} | {_fmt(row.get('int8_sqnr_db'))} | "
+                f"{_fmt(row.get('conversion_sqnr_db'))} |"
+            )
+    ranges = report.get("ranges") or {}
+    if ranges.get("weights"):
+        lines += ["", "## Weight ranges", "", "| layer | shape | dtype | scheme | float range | scale range |", "|---|---|---|---|---|---|"]
+        for w in ranges["weights"]:
+            lines.append(
+                f"| {w['layer']} | {w['shape']} | {w['dtype']} | {w['qscheme']} | [{w['min']:.4g}, {w['max']:.4g}] | "
+                f"[{w['scale_min']:.3g}, {w['scale_max']:.3g}] |"
+            )
+    if ranges.get("activations"):
+        lines += [
+            "",
+            "## Activation ranges",
+            "",
+            "| after | scale | zero point | fake-quant range | observed (held-out, QAT model) | clipped by fake-quant | clipped by int8 |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for a in ranges["activations"]:
+            observed = a.get("observed")
+            lines.append(
+                f"| {a['after']} | {a['scale']:.4g} | {a['zero_point']} | [{a['range'][0]:.4g}, {a['range'][1]:.4g}] | "
+                + (f"[{observed[0]:.4g}, {observed[1]:.4g}]" if observed else "")
+                + f" | {_fmt(a.get('clipped_fake_quant'), '.2%')} | {_fmt(a.get('clipped_int8'), '.2%')} |"
+            )
+    sizes = report.get("size_on_disk") or {}
+    latency = report.get("latency_detail") or {}
+    if sizes or latency.get("ms"):
+        batches = [str(b) for b in latency.get("batch_sizes", [])]
+        lines += [
+            "",
+            "## Size on disk and latency",
+            "",
+            f"Median of {latency.get('repeats')} runs, {latency.get('threads')} thread(s).",
+            "",
+            "| module | model | size (KiB) | " + " | ".join(f"ms, batch {b}" for b in batches) + " |",
+            "|---|---|---|" + "---|" * len(batches),
+        ]
+        for module in sorted(set(sizes) | set(latency.get("ms", {}))):
+            size_row = sizes.get(module, {})
+            lat_row = latency.get("ms", {}).get(module, {})
+            for variant in dict.fromkeys([*size_row, *lat_row]):
+                size = size_row.get(variant)
+                cells = [_fmt(lat_row.get(variant, {}).get(b), ".3f") for b in batches]
+                label = f"{variant} (eager; size of the state dict)" if variant in ("fp32", "int8") else f"{variant} file"
+                lines.append(f"| {module} | {label} | {_fmt(size / 1024 if size else None)} | " + " | ".join(cells) + " |")
+    plots = report.get("plots") or {}
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{name}]({path})" for name, path in plots.items()]
+    return ("\n".join(lines) + "\n") if lines else ""

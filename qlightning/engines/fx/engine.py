@@ -7,65 +7,18 @@ torch lacks it, constructing :class:`FxEngine` raises a clear
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import inspect
-import warnings
-from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, quantized_engine
-from qlightning.engines.fx_prepare import faster_prepare
-from qlightning.errors import EngineUnavailableError, TraceError
-from qlightning.schedule import Phase
-
-# Warnings torch.ao raises on every call of the deprecated API; we say it once, in the README.
-_NOISY = (
-    r".*torch\.ao\.quantization is deprecated.*",
-    r".*reduce_range will be deprecated.*",
-    r".*quantized tensor creation functions.*deprecated.*",
-    r".*must run observer before calling calculate_qparams.*",
-)
-
-
-@contextlib.contextmanager
-def quiet_torch_ao() -> Iterator[None]:
-    with warnings.catch_warnings():
-        for pattern in _NOISY:
-            warnings.filterwarnings("ignore", message=pattern)
-        yield
-
-
-def load_torch_ao() -> SimpleNamespace:
-    """Import the torch.ao pieces the FX engine needs, or explain why they are missing."""
-    try:
-        with quiet_torch_ao():
-            from torch.ao.nn.intrinsic import qat as nniqat
-            from torch.ao.quantization import (
-                FakeQuantizeBase,
-                ObserverBase,
-                QConfigMapping,
-                get_default_qat_qconfig_mapping,
-                get_default_qconfig_mapping,
-            )
-            from torch.ao.quantization.backend_config import (
-                get_fbgemm_backend_config,
-                get_onednn_backend_config,
-                get_qnnpack_backend_config,
-            )
-            from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
-            from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx, prepare_qat_fx
-    except ImportError as exc:  # pragma: no cover - depends on the torch build
-        raise EngineUnavailableError(
-            f"quant.engine='fx' needs torch.ao FX graph mode quantization (torch.ao.quantization.quantize_fx), "
-            f"which torch {torch.__version__} does not provide ({exc}). FX graph mode is deprecated upstream; "
-            "use quant.engine=pt2e (torchao), or install a torch that still ships it (2.13 or 2.14)."
-        ) from exc
-    return SimpleNamespace(**{k: v for k, v in locals().items() if k != "exc"})
-
+from qlightning.core.inputs import Inputs, positional_args
+from qlightning.engines.base import QuantEngine, QuantSpec, quantized_engine
+from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao
+from qlightning.engines.fx.prepare import faster_prepare
+from qlightning.errors import TraceError
+from qlightning.core.schedule import Phase
 
 class FxEngine(QuantEngine):
     """torch.ao FX graph mode: fuse + trace + insert fake-quant, then ``convert_fx`` and lower.
@@ -86,12 +39,6 @@ class FxEngine(QuantEngine):
 
     def __init__(self) -> None:
         self.ao = load_torch_ao()
-        self._backend_configs = {
-            "x86": self.ao.get_x86_backend_config,
-            "fbgemm": self.ao.get_fbgemm_backend_config,
-            "qnnpack": self.ao.get_qnnpack_backend_config,
-            "onednn": self.ao.get_onednn_backend_config,
-        }
 
     def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
         from dataclasses import replace
@@ -114,17 +61,17 @@ class FxEngine(QuantEngine):
             value = getattr(spec, name)
             if is_data(value) and value is not None:
                 data[key] = value
-                resolved[name] = build(value, f"quant.{key}", errors)
+                resolved[name] = build(value, name, errors)
         if isinstance(spec.backend_config, str):
-            resolved["backend_config"] = builder.backend_config(spec.backend_config, "quant.backend_config", errors)
+            resolved["backend_config"] = builder.backend_config(spec.backend_config, "backend_config", errors)
         options = dict(spec.options)
         equalization = options.pop("equalization", None)
         if equalization is not None:
             if spec.is_qat:
-                errors.append("quant.equalization: input-weight equalization is applied by FX prepare_fx (PTQ) only; "
+                errors.append("equalization: input-weight equalization is applied by FX prepare_fx (PTQ) only; "
                               "prepare_qat_fx has no equalization config. Use it with PostTrainingQuantization.")
             else:
-                options["equalization_config"] = builder.equalization_mapping(equalization, "quant.equalization", errors) if is_data(equalization) else equalization
+                options["equalization_config"] = builder.equalization_mapping(equalization, "equalization", errors) if is_data(equalization) else equalization
         options["plain"] = data
         return replace(spec, options=options, **resolved)
 
@@ -140,15 +87,14 @@ class FxEngine(QuantEngine):
             return self.ao.get_default_qconfig_mapping(spec.backend)
 
     def backend_config(self, spec: QuantSpec) -> Any:
-        return spec.backend_config if spec.backend_config is not None else self._backend_configs[spec.backend]()
+        return spec.backend_config if spec.backend_config is not None else backend_config_for(spec.backend)
 
-    @staticmethod
-    def positional_inputs(module: nn.Module, inputs: Inputs) -> tuple[Any, ...]:
-        """FX traces ``forward`` by signature; keyword inputs are bound to their positions."""
-        if not inputs.kwargs:
-            return tuple(inputs.args)
-        bound = inspect.signature(module.forward).bind_partial(*inputs.args, **inputs.kwargs)
-        return tuple(bound.arguments.values())
+    def reference_module(self, prepared: nn.Module, int8: nn.Module, spec: Optional[QuantSpec]) -> nn.Module:
+        from qlightning.engines.fx.reference import reference_module
+
+        if spec is None:
+            return reference_module(prepared)
+        return reference_module(prepared, spec.convert_custom_config, self.backend_config(spec))
 
     def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
         quantized_engine(spec.backend)
@@ -158,7 +104,7 @@ class FxEngine(QuantEngine):
         module.train(spec.is_qat)
         kwargs: dict[str, Any] = {
             "qconfig_mapping": mapping,
-            "example_inputs": self.positional_inputs(module, inputs),
+            "example_inputs": positional_args(module, inputs),
             "prepare_custom_config": self._with_standalone_inputs(module, inputs, spec.prepare_custom_config),
             "backend_config": self.backend_config(spec),
         }
@@ -170,13 +116,13 @@ class FxEngine(QuantEngine):
         except (torch.fx.proxy.TraceError, TypeError, RuntimeError, NotImplementedError, AttributeError) as exc:
             raise TraceError(
                 f"FX could not trace {type(module).__name__}: {type(exc).__name__}: {exc}. "
-                "Quantize a smaller submodule that traces (quant.modules), skip the part that does not "
-                "(quant.prepare.non_traceable_module_names / _classes), or run `qlightning doctor` for a diagnosis."
+                "Quantize a smaller submodule that traces (modules), skip the part that does not "
+                "(prepare_custom_config: non_traceable_module_names / _classes), or run `qlightning doctor` for a diagnosis."
             ) from exc
         if spec.is_qat and spec.options.get("fast_qat", True):
             # vectorized fake-quant, ReLU fused into the fake-quant after it (both bit-identical to torch.ao),
             # conv-bn dividing the weight rather than the conv output (float rounding): see fast_fq.py
-            from qlightning.engines.fast_fq import swap_fake_quant
+            from qlightning.engines.fx.fast_fq import swap_fake_quant
 
             swap_fake_quant(prepared, fake_quant=True, conv_bn=spec.options.get("fast_conv_bn", True), relu=True,
                             linear=spec.options.get("fast_linear", True))
@@ -211,7 +157,7 @@ class FxEngine(QuantEngine):
             return None
         from dataclasses import replace
 
-        from qlightning.capture import capture_inputs
+        from qlightning.core.inputs import capture_inputs
 
         wanted = [n for n, e in config.standalone_module_names.items() if e.example_inputs is None]
         by_class = {cls: next((n for n, m in module.named_modules() if isinstance(m, cls)), None)
@@ -222,11 +168,11 @@ class FxEngine(QuantEngine):
         seen = capture_inputs(module, targets, lambda: module(*inputs.args, **inputs.kwargs))
         config = copy.copy(config)
         config.standalone_module_names = {
-            n: replace(e, example_inputs=self.positional_inputs(module.get_submodule(n), seen[n])) if n in seen else e
+            n: replace(e, example_inputs=positional_args(module.get_submodule(n), seen[n])) if n in seen else e
             for n, e in config.standalone_module_names.items()
         }
         config.standalone_module_classes = {
-            c: replace(e, example_inputs=self.positional_inputs(module.get_submodule(by_class[c]), seen[by_class[c]]))
+            c: replace(e, example_inputs=positional_args(module.get_submodule(by_class[c]), seen[by_class[c]]))
             if by_class.get(c) in seen else e
             for c, e in config.standalone_module_classes.items()
         }
@@ -277,7 +223,7 @@ class FxEngine(QuantEngine):
                 convert_custom_config=spec.convert_custom_config,
                 backend_config=self.backend_config(spec),
             )
-        from qlightning.qconfigs import clamp_quantized_weights
+        from qlightning.engines.fx.qconfigs import clamp_quantized_weights
 
         names = dict(converted.named_modules())
         for name, (low, high) in ranges.items():

@@ -18,11 +18,11 @@ from typing import Any, Iterator, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, IterableDataset
 
+from qlightning.callbacks import lightning_compat as compat
 from qlightning.callbacks.qat import QuantizationAwareTraining
 from qlightning.errors import QLightningError
 
@@ -282,4 +282,4 @@ class ResumableDataLoader(DataLoader):
         if epoch is not None:
             # worker processes draw indices as soon as the iterator exists, before Lightning's
             # set_epoch: give the sampler its epoch now
-            _set_sampler_epoch(self, int(epoch))
+            compat.set_sampler_epoch(self, int(epoch))

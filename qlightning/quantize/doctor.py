@@ -20,7 +20,7 @@ caught there.
 
 Example::
 
-    from qlightning.doctor import diagnose
+    from qlightning.quantize.doctor import diagnose
     report = diagnose(model)                 # a LightningModule or any nn.Module
     print(report.to_text())
     report.traceable_modules()               # the 1.a candidates, names relative to the model
@@ -45,7 +45,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs
+from qlightning.core.inputs import Inputs, positional_args
 
 # Layers worth quantizing: a subtree without any of these is not a candidate of its own.
 QUANTIZABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -620,7 +620,7 @@ def _example_of(model: nn.Module, example_inputs: Any) -> Optional[Inputs]:
 
 def _check_on_inputs(model: nn.Module, findings: list[Finding], modules: dict[str, nn.Module], example_inputs: Any) -> bool:
     """Run each traced graph on the inputs its module receives in a real forward; report mismatches."""
-    from qlightning.capture import capture_inputs
+    from qlightning.core.inputs import capture_inputs
 
     inputs = _example_of(model, example_inputs)
     if inputs is None:
@@ -644,7 +644,7 @@ def _check_on_inputs(model: nn.Module, findings: list[Finding], modules: dict[st
                 with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
                     warnings.simplefilter("ignore")
                     graph = trace(module)
-                    bound = _positional(module, got)
+                    bound = positional_args(module, got)
                     expected = module(*got.args, **got.kwargs)
                     actual = graph(*bound)
                 same = _same(expected, actual)
@@ -662,11 +662,6 @@ def _check_on_inputs(model: nn.Module, findings: list[Finding], modules: dict[st
     return True
 
 
-def _positional(module: nn.Module, inputs: Inputs) -> tuple[Any, ...]:
-    if not inputs.kwargs:
-        return tuple(inputs.args)
-    bound = inspect.signature(module.forward).bind_partial(*inputs.args, **inputs.kwargs)
-    return tuple(bound.arguments.values())
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -14,38 +14,22 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from qlightning import report as reporting
-from qlightning.report import evaluation_trainer
-from qlightning.checkpoint import AtomicCheckpointIO, ModelCheckpointWithFinalLast
-from qlightning.engines import Inputs
+from qlightning.callbacks.checkpoint import AtomicCheckpointIO, ModelCheckpointWithFinalLast
+from qlightning.callbacks.distributed import broadcast_object, local_metrics
 from qlightning.config.build import instantiate_checked
+from qlightning.config.schema import sections
 from qlightning.config.validate import validate_config
-from qlightning.lowering import source_of
-from qlightning.distributed import broadcast_object, local_metrics
+from qlightning.core.inputs import source_of
+from qlightning.run import report as reporting
+from qlightning.run.artifacts import finalize_run
+from qlightning.run.export import save_int8
+from qlightning.run.report import evaluation_trainer
 from qlightning.errors import ConfigError, QLightningError
 
 
 def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items() if v is not None}
     return kwargs
-
-
-def save_int8(module: torch.nn.Module, path: Path, inputs: Inputs) -> Optional[str]:
-    """TorchScript of an int8 submodule, loadable with ``torch.jit.load`` without qlightning.
-
-    Scripted when possible, else traced on the captured example inputs (FX-generated code
-    carries annotations TorchScript cannot parse). Returns a problem description or ``None``.
-    """
-    try:
-        scripted = torch.jit.script(module)
-    except Exception:
-        try:
-            with torch.no_grad():
-                scripted = torch.jit.trace(module, inputs.args, check_trace=False)
-        except Exception as exc:  # say so in the report instead of failing the whole run
-            return f"{type(exc).__name__}: {exc}"
-    torch.jit.save(scripted, str(path))
-    return None
 
 
 def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -139,8 +123,6 @@ def _export_and_report(
                     threads=cfg.report.latency_threads,
                 )
             )
-    from qlightning.artifacts import finalize_run
-
-    result.update(finalize_run(callback, model, datamodule, cfg, run_dir, result))
+    result.update(finalize_run(callback, model, datamodule, sections(cfg), run_dir, result))
     pickle.dumps(result)  # it goes to the other ranks: fail here (and tell them) rather than in the broadcast
     return result

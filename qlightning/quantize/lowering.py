@@ -10,7 +10,7 @@ example input (output SQNR and top-1 agreement) and keeps the fastest that passe
     the engine's own converted module, run eagerly (FX: torch.ao ``convert_fx`` lowered to the
     fbgemm / x86 / onednn kernels; PT2E: torchao's q/dq reference graph).
 ``onnxruntime``
-    the q/dq graph (:func:`qlightning.export.qdq_module` semantics: activations over the full range
+    the q/dq graph (:func:`qlightning.run.export.qdq_module` semantics: activations over the full range
     of their dtype, weights as int8 constants) exported to QDQ ONNX and run by onnxruntime's CPU
     provider, which fuses QDQ pairs into QLinearConv / MatMulInteger kernels.
 ``inductor``
@@ -34,7 +34,6 @@ Example::
 from __future__ import annotations
 
 import copy
-import statistics
 import tempfile
 import time
 import warnings
@@ -45,7 +44,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs
+from qlightning.core.inputs import Inputs, attach_source, first_tensor, source_of  # noqa: F401  source_of: re-exported
+from qlightning.core.metrics import median_ms, sqnr_db, top1_agreement
+from qlightning.engines import get_engine
+from qlightning.quantize.qdq import quiet_export, qdq_program, write_onnx
 
 CANDIDATES = ("fx", "onnxruntime", "inductor")
 DEFAULT_MIN_SQNR_DB = 25.0
@@ -57,17 +59,6 @@ class LoweringError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- runtimes
-
-
-def source_of(module: nn.Module) -> nn.Module:
-    """The engine's converted module behind a lowered wrapper (the module itself otherwise)."""
-    return module.__dict__.get("_qlightning_source", module)
-
-
-def _attach_source(wrapper: nn.Module, source: nn.Module) -> nn.Module:
-    # not registered as a child: the wrapper's state_dict holds only what it runs
-    wrapper.__dict__["_qlightning_source"] = source
-    return wrapper
 
 
 class OnnxRuntimeModule(nn.Module):
@@ -148,10 +139,8 @@ class LoweringContext:
     _qdq_program: Any = None
 
     def qdq_program(self) -> Any:
-        """:class:`qlightning.export.QdqProgram` of the q/dq graph (weights folded to int8 constants)."""
+        """:class:`qlightning.run.export.QdqProgram` of the q/dq graph (weights folded to int8 constants)."""
         if self._qdq_program is None:
-            from qlightning.export import qdq_program
-
             if self.qdq_module is None:
                 self.qdq_module = reference_qdq_module(self.fake_quant, self.int8)
             self._qdq_program = qdq_program(self.qdq_module, self.inputs, dynamic_batch=True)
@@ -167,29 +156,14 @@ def _is_fx_lowered(int8: nn.Module) -> bool:
 
 
 def reference_qdq_module(fake_quant: nn.Module, int8: nn.Module) -> nn.Module:
-    """A float q/dq graph that computes what ``int8`` computes.
+    """A float q/dq graph that computes what ``int8`` computes (the engine's ``reference_module``).
 
-    FX: the decomposed reference model of (a copy of) the fake-quant module, activations over the full
-    range of their dtype (what the int8 kernels do; see :func:`qlightning.export.full_range_activations`).
-    PT2E: the converted module already is one.
+    Args:
+        fake_quant: the prepared (fake-quant) module ``int8`` was converted from.
+        int8: the engine's converted module: FX's lowered kernels, or PT2E's q/dq graph (already one).
     """
-    if not _is_fx_lowered(int8):
-        return copy.deepcopy(int8).eval()
-    from torch.ao.quantization.quantize_fx import _convert_to_reference_decomposed_fx
-
-    from qlightning.engines.fx import quiet_torch_ao
-    from qlightning.export import full_range_activations
-
-    module = copy.deepcopy(fake_quant).eval()
-    with quiet_torch_ao():
-        from torch.ao.quantization import FakeQuantizeBase
-
-        for m in module.modules():
-            if isinstance(m, FakeQuantizeBase):
-                m.disable_observer()
-        reference = _convert_to_reference_decomposed_fx(module)
-    full_range_activations(reference)
-    return reference.eval()
+    engine = get_engine("fx" if _is_fx_lowered(int8) else "pt2e")
+    return engine.reference_module(fake_quant, int8, None)
 
 
 def _build_fx(ctx: LoweringContext) -> nn.Module:
@@ -197,25 +171,21 @@ def _build_fx(ctx: LoweringContext) -> nn.Module:
 
 
 def _build_onnxruntime(ctx: LoweringContext) -> nn.Module:
-    from qlightning.export import write_onnx
-
     program = ctx.qdq_program()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.onnx"
         write_onnx(program, path)
         data = path.read_bytes()
-    return _attach_source(OnnxRuntimeModule(data, program.input_names, ctx.threads), ctx.int8)
+    return attach_source(OnnxRuntimeModule(data, program.input_names, ctx.threads), ctx.int8)
 
 
 def _build_inductor(ctx: LoweringContext) -> nn.Module:
-    from qlightning.export import quiet_export
-
     if _is_fx_lowered(ctx.int8):
         with quiet_export():
             graph = ctx.qdq_program().program.module()
     else:
         graph = copy.deepcopy(ctx.int8)
-    return _attach_source(InductorModule(graph), ctx.int8)  # compiles on its first call (choose_lowering times it)
+    return attach_source(InductorModule(graph), ctx.int8)  # compiles on its first call (choose_lowering times it)
 
 
 BUILDERS: dict[str, Callable[[LoweringContext], nn.Module]] = {
@@ -272,24 +242,6 @@ class LoweringChoice:
         return data
 
 
-def _first_tensor(value: Any) -> torch.Tensor:
-    from qlightning.parity import first_tensor
-
-    return first_tensor(value)
-
-
-def _median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, float]:
-    """Median wall time per call (ms), calls interleaved so that drift hits every candidate alike."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for i in range(warmup + repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items() if v}
-
-
 def choose_lowering(
     fake_quant_module: nn.Module,
     int8_module: nn.Module,
@@ -322,7 +274,7 @@ def choose_lowering(
         tolerance_db: a candidate that misses the thresholds still passes when its SQNR is within this
             many dB of the ``fallback`` candidate's and its top-1 agreement within 1 point of it: it is
             then as faithful as the module the engine gives anyway (whose own gap to the fake-quant model
-            is the parity gate's business, :mod:`qlightning.parity`). ``None``: thresholds only.
+            is the parity gate's business, :mod:`qlightning.run.parity`). ``None``: thresholds only.
         repeats / warmup: timing; medians of interleaved calls.
         threads: torch (and onnxruntime) intra-op threads while building and timing (``None``: unchanged).
         fallback: the candidate kept when none is eligible (normally ``fx``, what the engine gave).
@@ -338,8 +290,6 @@ def choose_lowering(
         A :class:`LoweringChoice` (``name``, ``module`` and per-candidate ``latency_ms``, ``sqnr_db``,
         ``top1_agreement``, ``errors``, ``build_s``).
     """
-    from qlightning.parity import sqnr_db, top1_agreement
-
     inputs = example_inputs if isinstance(example_inputs, Inputs) else Inputs(
         (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     )
@@ -362,7 +312,7 @@ def choose_lowering(
 
         def outputs(module: nn.Module) -> torch.Tensor:
             with torch.no_grad():
-                outs = [_first_tensor(module(*args, **kwargs)).float() for args, kwargs in batches]
+                outs = [first_tensor(module(*args, **kwargs)).float() for args, kwargs in batches]
             return outs[0] if len(outs) == 1 else torch.cat([o.reshape(1) if o.dim() == 0 else o for o in outs])
 
         reference_module = copy.deepcopy(fake_quant_module).eval()
@@ -410,7 +360,7 @@ def choose_lowering(
             return run
 
         fns = {name: runner(m) for name, m in built.items()}
-        latency = timer(fns) if timer is not None else _median_ms(fns, repeats, warmup)
+        latency = timer(fns) if timer is not None else median_ms(fns, repeats, warmup)
         choice.latency_ms = {name: (round(latency[name], 4) if name in latency else None) for name in candidates}
         eligible = [n for n in built if n not in choice.errors and latency.get(n) is not None]
         if eligible:

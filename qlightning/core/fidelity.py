@@ -1,0 +1,338 @@
+"""What you train is what you deploy: the int8 model as it runs, checked against the fake-quant model.
+
+The fake-quant model is what training optimised and validation measured; the int8 model (as lowered,
+the runtime that really executes) is what ships. :func:`check_fidelity` runs both on held batches and
+compares their outputs (SQNR over every output tensor, top-1 agreement of the first one when it has a
+class dimension); where both are graphs it also finds the first and the worst layers that depart.
+A crash of the int8 forward is a breach naming the module and the failing op. The callbacks gate on
+it at fit end; ``qlightning train`` reports it.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from qlightning.core.inputs import Inputs, flat_tensors, source_of
+from qlightning.core.metrics import MAX_SQNR_DB, ratio_db, top1_agreement
+from qlightning.errors import ConfigError
+
+ON_BREACH = ("fail", "warn", "fallback")
+
+
+@dataclass
+class FidelityConfig:
+    """Thresholds of the fit-end fidelity gate and what to do on a breach; checks itself.
+
+    Attributes:
+        enabled: run the gate at fit end.
+        min_sqnr_db: SQNR of the int8 outputs against the fake-quant outputs, in dB.
+        min_top1_agreement: share of rows whose argmax agrees (outputs with a class dimension).
+        on_breach: ``"fail"`` (raise :class:`~qlightning.errors.FidelityError`), ``"warn"`` (keep the
+            int8 model, warn loudly, record it) or ``"fallback"`` (put the fake-quant module back in
+            the model in place of the int8 one, warn, record it).
+        batches: how many held batches to compare on (validation loader first).
+    """
+
+    enabled: bool = True
+    min_sqnr_db: float = 20.0
+    min_top1_agreement: float = 0.98
+    on_breach: str = "fail"
+    batches: int = 4
+
+    def problems(self, prefix: str = "fidelity") -> list[str]:
+        """Every invalid field, as messages naming the key, the value and the valid choices."""
+        out = []
+        if not isinstance(self.enabled, bool):
+            out.append(f"{prefix}.enabled={self.enabled!r}: true or false")
+        if not isinstance(self.min_sqnr_db, (int, float)) or isinstance(self.min_sqnr_db, bool):
+            out.append(f"{prefix}.min_sqnr_db={self.min_sqnr_db!r}: a number of dB, e.g. 20")
+        if (not isinstance(self.min_top1_agreement, (int, float)) or isinstance(self.min_top1_agreement, bool)
+                or not 0.0 <= float(self.min_top1_agreement) <= 1.0):
+            out.append(f"{prefix}.min_top1_agreement={self.min_top1_agreement!r}: a share between 0 and 1, e.g. 0.98")
+        if self.on_breach not in ON_BREACH:
+            out.append(f"{prefix}.on_breach={self.on_breach!r}: valid choices: {list(ON_BREACH)}")
+        if not isinstance(self.batches, int) or isinstance(self.batches, bool) or self.batches < 1:
+            out.append(f"{prefix}.batches={self.batches!r}: a positive number of batches")
+        return out
+
+    @classmethod
+    def from_value(cls, value: Any, errors: list[str], prefix: str = "fidelity") -> "FidelityConfig":
+        """A config from ``None``/``True`` (defaults), ``False`` (off), a mapping or an instance."""
+        if isinstance(value, cls):
+            config = value
+        elif value is None or value is True:
+            config = cls()
+        elif value is False:
+            config = cls(enabled=False)
+        elif hasattr(value, "items"):
+            unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+            if unknown:
+                errors.append(f"{prefix}: unknown key(s) {unknown}; valid: {sorted(cls.__dataclass_fields__)}")
+                return cls()
+            config = cls(**dict(value))
+        else:
+            errors.append(f"{prefix}={value!r}: true, false, or a mapping of {sorted(cls.__dataclass_fields__)}")
+            return cls()
+        errors.extend(config.problems(prefix))
+        return config
+
+
+@dataclass
+class ModuleFidelity:
+    """The fit-end comparison of one quantized submodule."""
+
+    module: str
+    sqnr_db: Optional[float] = None
+    top1_agreement: Optional[float] = None
+    samples: int = 0
+    inputs: str = ""
+    error: Optional[str] = None
+    first_departing_layer: Optional[str] = None
+    worst_layers: list[list[Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    action: str = "kept int8"
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["passed"] = self.passed
+        return data
+
+    def describe(self) -> str:
+        head = f"{self.module}: int8 vs fake-quant"
+        if self.error:
+            return f"{head}: {self.error}"
+        figures = f"SQNR {self.sqnr_db:.1f} dB" if self.sqnr_db is not None else "SQNR n/a"
+        if self.top1_agreement is not None:
+            figures += f", top-1 agreement {self.top1_agreement:.3f}"
+        text = f"{head}: {figures} on {self.samples} samples ({self.inputs})"
+        if self.problems:
+            text += "; breach: " + "; ".join(self.problems)
+            if self.first_departing_layer:
+                text += f"; first departing layer: {self.first_departing_layer}"
+            if self.worst_layers:
+                text += "; worst layers: " + ", ".join(f"{n} {v:.1f} dB" for n, v in self.worst_layers)
+        return text
+
+
+# ---------------------------------------------------------------------------------------------- per layer
+
+
+def _is_quant_module(module: Any) -> bool:
+    return hasattr(module, "fake_quant_enabled") or hasattr(module, "calculate_qparams")
+
+
+def _is_quant_step(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return _is_quant_module(gm.get_submodule(node.target))
+    if node.op == "call_method":
+        return node.target == "dequantize"
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "") or str(node.target)
+        return (
+            node.target in (torch.quantize_per_tensor, torch.quantize_per_channel, torch.dequantize)
+            or "quantized_decomposed" in str(node.target)
+            or name in ("quantize_per_tensor", "dequantize")
+        )
+    return False
+
+
+def layer_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """``{layer (call_module target): node whose value is the layer's (re)quantized output}``."""
+    layers = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or _is_quant_step(gm, node):
+            continue
+        end = node
+        while len(end.users) == 1:
+            user = next(iter(end.users))
+            if not _is_quant_step(gm, user):
+                break
+            end = user
+        layers[str(node.target)] = end.name
+    return layers
+
+
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, keep: set[str]) -> None:
+        super().__init__(gm)
+        self.keep = keep
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.name in self.keep and isinstance(out, torch.Tensor):
+            self.values[n.name] = (out.dequantize() if out.is_quantized else out).detach().float()
+        return out
+
+
+def record(gm: torch.fx.GraphModule, args: tuple[Any, ...], keep: set[str]) -> dict[str, torch.Tensor]:
+    """The values of the nodes named in ``keep`` on one call of ``gm`` (dequantized, float)."""
+    recorder = _Recorder(gm, keep)
+    with torch.inference_mode():
+        recorder.run(*args)
+    return recorder.values
+
+
+def per_layer_sqnr(
+    prefix: str,
+    versions: dict[str, Optional[nn.Module]],
+    batches: Sequence[tuple[Any, ...]],
+    pairs: Sequence[tuple[str, str, str]] = (
+        ("fake_quant_sqnr_db", "fake_quant", "fp32"),
+        ("int8_sqnr_db", "int8", "fp32"),
+        ("conversion_sqnr_db", "int8", "reference"),
+    ),
+) -> list[dict[str, Any]]:
+    """SQNR of every layer's output for each ``(column, candidate, reference)`` of graph-mode versions.
+
+    Returns one row per layer in graph order: ``{"layer": "<prefix>.<module path>", column: dB, ...}``.
+    Layers are the ``call_module`` nodes of the int8 graph that the other versions have too; columns
+    whose versions are not GraphModules are left out.
+    """
+    graphs = {k: v for k, v in versions.items() if isinstance(v, torch.fx.GraphModule)}
+    if "int8" not in graphs:
+        return []
+    nodes = {k: layer_nodes(g) for k, g in graphs.items()}
+    order = list(nodes["int8"])
+    sums: dict[tuple[str, str], list[float]] = {}
+    for args in batches:
+        values = {k: record(g, args, set(nodes[k].values())) for k, g in graphs.items()}
+        for column, cand, ref in pairs:
+            if cand not in graphs or ref not in graphs:
+                continue
+            for layer in order:
+                a = values[cand].get(nodes[cand].get(layer, ""))
+                b = values[ref].get(nodes[ref].get(layer, ""))
+                if a is None or b is None or a.shape != b.shape:
+                    continue
+                acc = sums.setdefault((layer, column), [0.0, 0.0])
+                acc[0] += float(b.double().pow(2).sum())
+                acc[1] += float((a.double() - b.double()).pow(2).sum())
+    table: list[dict[str, Any]] = []
+    for layer in order:
+        row = {column: round(ratio_db(*sums[(layer, column)]), 3) for column, _, _ in pairs if (layer, column) in sums}
+        if row:
+            table.append({"layer": f"{prefix}.{layer}" if prefix else layer, **row})
+    return table
+
+
+def worst_layers(layers: Sequence[dict[str, Any]], column: str = "int8_sqnr_db", count: int = 5) -> list[str]:
+    """The ``count`` layers with the lowest SQNR in ``column``."""
+    rows = [(row[column], row["layer"]) for row in layers if row.get(column) is not None]
+    return [name for _, name in sorted(rows)[:count]]
+
+
+# ---------------------------------------------------------------------------------------------- the check
+
+
+def _failing_op(exc: BaseException) -> str:
+    """The innermost frame of a forward that raised, as ``file:line in function`` (the op that failed)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    # the innermost frame of the model's own code (an FX GraphModule's generated forward names the op)
+    inner = [f for f in frames if "/torch/" not in f.filename and "qlightning/core" not in f.filename] or frames
+    if not inner:
+        return ""
+    f = inner[-1]
+    line = f" `{f.line.strip()}`" if f.line else ""
+    return f" at {f.filename.rsplit('/', 1)[-1]}:{f.lineno} in {f.name}{line}"
+
+
+def _outputs(module: nn.Module, batches: Sequence[Inputs]) -> list[list[torch.Tensor]]:
+    out = []
+    with torch.inference_mode():
+        for b in batches:
+            out.append([t.detach().float().cpu() for t in flat_tensors(module(*b.args, **b.kwargs))])
+    return out
+
+
+def compare_modules(
+    name: str,
+    reference: nn.Module,
+    candidate: nn.Module,
+    batches: Sequence[Inputs],
+    min_sqnr_db: float,
+    min_top1: float,
+    inputs: str = "",
+) -> ModuleFidelity:
+    """Compare ``candidate`` (int8, as executed) with ``reference`` (fake-quant) on ``batches``.
+
+    Args:
+        name: the submodule's name, for messages.
+        reference: the fake-quant module (eval, observers off).
+        candidate: the module that ships (the lowered runtime, or the engine's int8 module).
+        batches: held inputs of the submodule.
+        min_sqnr_db: the SQNR breach threshold.
+        min_top1: the top-1 agreement breach threshold.
+        inputs: where the batches came from, in words.
+    """
+    result = ModuleFidelity(module=name, inputs=inputs)
+    ref = _outputs(reference, batches)
+    try:
+        cand = _outputs(candidate, batches)
+    except Exception as exc:  # a crash is a breach, not a later surprise
+        result.error = f"the int8 forward fails: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}{_failing_op(exc)}"
+        result.problems.append(result.error)
+        return result
+    signal = noise = 0.0
+    for r_list, c_list in zip(ref, cand):
+        if len(r_list) != len(c_list):
+            signal, noise = 1.0, float("inf")
+            break
+        for r, c in zip(r_list, c_list):
+            if r.shape != c.shape:
+                signal, noise = 1.0, float("inf")
+                break
+            signal += float(r.double().pow(2).sum())
+            noise += float((r.double() - c.double()).pow(2).sum())
+    result.sqnr_db = round(ratio_db(signal, noise), 2)
+    firsts_r = [r[0] for r in ref if r]
+    firsts_c = [c[0] for c in cand if c]
+    if firsts_r and firsts_c and all(a.dim() >= 2 for a in firsts_r + firsts_c):
+        try:
+            top1 = top1_agreement(torch.cat(firsts_r), torch.cat(firsts_c))
+        except RuntimeError:
+            top1 = None
+        result.top1_agreement = None if top1 is None else round(top1, 4)
+    result.samples = sum(int(r[0].shape[0]) if r and r[0].dim() > 0 else 1 for r in ref)
+    if result.sqnr_db < min_sqnr_db:
+        result.problems.append(f"SQNR {result.sqnr_db:.1f} dB < {min_sqnr_db:g} dB")
+    if result.top1_agreement is not None and result.top1_agreement < min_top1:
+        result.problems.append(f"top-1 agreement {result.top1_agreement:.3f} < {min_top1:g}")
+    if result.problems:
+        _name_layers(result, reference, candidate, batches, min_sqnr_db)
+    return result
+
+
+def _name_layers(result: ModuleFidelity, reference: nn.Module, candidate: nn.Module, batches: Sequence[Inputs],
+                 min_sqnr_db: float) -> None:
+    """First and worst layers where the int8 graph departs from the fake-quant graph (graph order)."""
+    graph = source_of(candidate)
+    if not (isinstance(reference, torch.fx.GraphModule) and isinstance(graph, torch.fx.GraphModule)):
+        return
+    try:
+        args = [tuple(b.args) for b in batches[:2] if not b.kwargs]
+        rows = per_layer_sqnr("", {"fake_quant": reference, "int8": graph}, args, (("db", "int8", "fake_quant"),))
+    except Exception:
+        return
+    first = next((row for row in rows if row["db"] < min_sqnr_db), None)
+    result.first_departing_layer = None if first is None else f"{first['layer']} ({first['db']:.1f} dB)"
+    result.worst_layers = [[row["layer"], row["db"]] for row in sorted(rows, key=lambda r: r["db"])[:3]
+                           if row["db"] < MAX_SQNR_DB]
+
+
+def check_config(value: Any, prefix: str = "fidelity") -> FidelityConfig:
+    """:meth:`FidelityConfig.from_value`, raising one :class:`ConfigError` with every problem."""
+    errors: list[str] = []
+    config = FidelityConfig.from_value(value, errors, prefix)
+    if errors:
+        raise ConfigError(errors)
+    return config

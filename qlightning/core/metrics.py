@@ -1,0 +1,93 @@
+"""The one implementation of each fidelity and speed metric: SQNR, top-1 agreement, latency.
+
+Every layer (lowering choice, parity gate, report, equalization, benchmarks) reads these, so a
+figure means the same thing wherever it is printed.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from qlightning.core.inputs import Inputs
+
+MAX_SQNR_DB = 200.0  # identical outputs; keeps report.json plain JSON (no Infinity)
+
+
+def sqnr_db(reference: torch.Tensor, candidate: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``candidate`` against ``reference``, in dB.
+
+    ``10 log10(|ref|^2 / |ref - cand|^2)``, clamped to ``[-200, 200]``: 200 for identical tensors,
+    -200 for a shape mismatch, non-finite noise or a zero reference.
+
+    Args:
+        reference: the tensor taken as the signal (e.g. the fake-quant model's output).
+        candidate: its approximation (e.g. the int8 model's output); quantized tensors are dequantized.
+    """
+    if getattr(reference, "is_quantized", False):
+        reference = reference.dequantize()
+    if getattr(candidate, "is_quantized", False):
+        candidate = candidate.dequantize()
+    ref = reference.detach().double().flatten()
+    cand = candidate.detach().double().flatten()
+    if ref.shape != cand.shape:
+        return -MAX_SQNR_DB
+    return ratio_db(float(ref.pow(2).sum()), float((ref - cand).pow(2).sum()))
+
+
+def ratio_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)`` with :func:`sqnr_db`'s edge cases (for sums accumulated elsewhere)."""
+    if not math.isfinite(noise) or not math.isfinite(signal):
+        return -MAX_SQNR_DB
+    if noise <= 0.0:
+        return MAX_SQNR_DB
+    if signal <= 0.0:
+        return -MAX_SQNR_DB
+    return max(-MAX_SQNR_DB, min(MAX_SQNR_DB, 10.0 * math.log10(signal / noise)))
+
+
+def top1_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> Optional[float]:
+    """Share of rows whose argmax over the last dim agrees; ``None`` when there is no class dimension.
+
+    Args:
+        reference: ``[..., classes]`` scores of the reference model.
+        candidate: scores of the same shape from the model under test.
+    """
+    if reference.dim() < 2 or reference.shape[-1] < 2 or reference.shape != candidate.shape:
+        return None
+    return float((reference.argmax(-1) == candidate.argmax(-1)).double().mean())
+
+
+def median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 5) -> dict[str, float]:
+    """Median wall time per call of each function, in ms, calls interleaved so drift hits all alike.
+
+    Args:
+        fns: ``{name: zero-argument callable}`` to time side by side.
+        repeats: timed calls of each.
+        warmup: untimed calls of each first.
+    """
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    with torch.inference_mode():
+        for i in range(warmup + repeats):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                if i >= warmup:
+                    times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items() if v}
+
+
+def median_latency_ms(module: Callable[..., Any], inputs: Inputs, repeats: int, warmup: int = 5) -> float:
+    """Median wall time of one forward of ``module`` on ``inputs``, in ms (:func:`median_ms` of one).
+
+    Args:
+        module: a module or any callable taking the inputs.
+        inputs: positional and keyword inputs of one call.
+        repeats: timed calls.
+        warmup: untimed calls first.
+    """
+    return median_ms({"m": lambda: module(*inputs.args, **inputs.kwargs)}, repeats, warmup)["m"]

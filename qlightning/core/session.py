@@ -1,0 +1,326 @@
+"""QuantSession: one set of quantized submodules of a model, from float to lowered int8.
+
+Engine-neutral and Lightning-free. It owns the targets, the spec, the captured example inputs and
+every variant of each target (the float module it was prepared from, the float snapshot at
+fake-quant start, the PTQ baseline, the fake-quant copy, the engine's int8 module, the lowered
+runtime), and runs prepare -> phase -> calibrate -> convert -> lower behind a few calls. The
+callbacks are thin Lightning adapters over it; the app, report, exports and parity gate read it.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.nn.utils import prune
+
+from qlightning.core.inputs import Inputs, example_inputs_for, resolve_targets, tile_inputs
+from qlightning.core.schedule import Phase
+from qlightning.engines import QuantEngine, QuantSpec
+from qlightning.errors import ConfigError
+from qlightning.quantize.calibration import float_module_from
+from qlightning.quantize.lowering import BUILDERS, CANDIDATES, LoweringChoice, LoweringContext, attach_source, choose_lowering
+from qlightning.quantize.ptq import ptq_baseline
+
+
+def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at ``name`` inside ``root`` (index assignment inside Sequential/ModuleList)."""
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    if isinstance(parent, (nn.Sequential, nn.ModuleList)) and child.isdigit():
+        parent[int(child)] = module
+    else:
+        setattr(parent, child, module)
+
+
+def has_submodule(root: nn.Module, name: str) -> bool:
+    """Whether ``root`` has a submodule called ``name``."""
+    try:
+        root.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def remove_pruning(module: nn.Module) -> None:
+    """Make ``torch.nn.utils.prune`` masks permanent, so convert reads the pruned weights."""
+    for sub in module.modules():
+        for hook in list(sub._forward_pre_hooks.values()):
+            if isinstance(hook, prune.BasePruningMethod):
+                prune.remove(sub, hook._tensor_name)
+
+
+def session_of(owner: Any) -> "QuantSession":
+    """The :class:`QuantSession` itself, or the one a quantization callback adapts (``callback.session``)."""
+    return owner if isinstance(owner, QuantSession) else owner.session
+
+
+class QuantSession:
+    """The quantization of chosen submodules of one model, through one engine.
+
+    Args:
+        engine: the engine that prepares and converts (``fx``, ``pt2e``, or another
+            :class:`~qlightning.engines.QuantEngine`).
+        spec: how to quantize (backend, qconfig mapping, custom configs, engine options).
+        module_names: names or glob patterns of the submodules to quantize, each on its own.
+        example_inputs: ``{name: Inputs}`` used instead of capturing inputs from the model.
+        keep_fake_quant: keep a copy of each fake-quant module when converting (the fidelity
+            reference of lowering, exports and the parity gate).
+        keep_float_refs: keep a reference to each float module before preparation (needed to
+            rebuild float copies, e.g. for the PTQ baseline).
+        kind: ``"qat"`` or ``"ptq"``: what the report compares (a PTQ run has no fake-quant model).
+
+    Example::
+
+        session = QuantSession(get_engine("fx"), QuantSpec(backend="x86"), ["net"])
+        session.prepare(model)                  # model.net is now fake-quant
+        session.apply_phase(model, Phase(fake_quant=True, observers=True, bn_frozen=False))
+        ...                                     # train
+        session.convert(model)                  # model.net is now int8
+    """
+
+    def __init__(
+        self,
+        engine: QuantEngine,
+        spec: QuantSpec,
+        module_names: Sequence[str],
+        example_inputs: Optional[Mapping[str, Inputs]] = None,
+        keep_fake_quant: bool = True,
+        keep_float_refs: bool = False,
+        kind: str = "qat",
+    ) -> None:
+        #: ``"qat"`` (trained fake-quant) or ``"ptq"`` (calibrated only)
+        self.kind = kind
+        self.engine = engine
+        self.spec = spec
+        self.module_names = list(module_names)
+        self.example_inputs = dict(example_inputs or {})
+        self.keep_fake_quant = keep_fake_quant
+        self.keep_float_refs = keep_float_refs
+        self.targets: list[str] = []
+        self.inputs: dict[str, Inputs] = {}
+        self.prepared = False
+        self.converted = False
+        self.phase: Optional[Phase] = None
+        #: the float submodules before preparation (their Parameter objects live on in the prepared ones)
+        self.float_refs: dict[str, nn.Module] = {}
+        #: ``{name: state_dict}`` of the prepared modules when fake-quant first turned on
+        self.float_snapshot: Optional[dict[str, dict[str, torch.Tensor]]] = None
+        #: float copies kept by a PTQ run (its fp32 baseline)
+        self.float_modules: dict[str, nn.Module] = {}
+        self.fake_quant_modules: dict[str, nn.Module] = {}
+        #: the engine's converted module of each target (what TorchScript exports), whatever runs in its place
+        self.int8_modules: dict[str, nn.Module] = {}
+        #: per target, the runtime kept and every candidate's latency and parity (``lowering != "fx"``)
+        self.lowering_choices: dict[str, dict[str, Any]] = {}
+        #: int8 PTQ baseline of each target
+        self.ptq_modules: dict[str, nn.Module] = {}
+        #: plain data saved with the model (recipe, hash, versions)
+        self.provenance: dict[str, Any] = {}
+        #: per target, the fit-end comparison of the int8 model with the fake-quant model (plain data)
+        self.fidelity_results: dict[str, dict[str, Any]] = {}
+        #: what went differently from the plan (a fit that ended before fake-quant, a fallback), in words
+        self.notices: list[str] = []
+
+    @property
+    def backend(self) -> str:
+        return self.spec.backend
+
+    # ------------------------------------------------------------------ preparation
+
+    def resolve(self, root: nn.Module, key: str = "modules") -> list[str]:
+        """The submodule names the patterns match, checked against the spec (raises :class:`ConfigError`)."""
+        targets = resolve_targets(root, self.module_names, key=key)
+        problems = self.engine.check_spec_against_model(self.spec, {n: root.get_submodule(n) for n in targets})
+        if problems:
+            raise ConfigError(problems)
+        return targets
+
+    def capture(self, root: nn.Module, batch_source: Optional[Callable[[], Any]] = None) -> dict[str, Inputs]:
+        """Example inputs of each target: given ones, else ``example_input_array``, else one batch."""
+        self.inputs = example_inputs_for(root, self.targets, batch_source=batch_source, configured=self.example_inputs)
+        return self.inputs
+
+    def prepare(self, root: nn.Module, batch_source: Optional[Callable[[], Any]] = None) -> None:
+        """Prepare every target of ``root`` in place (idempotent); observers start switched off."""
+        if self.prepared:
+            return
+        self.targets = self.resolve(root)
+        self.capture(root, batch_source)
+        for name in self.targets:
+            float_module = root.get_submodule(name)
+            if self.keep_float_refs:
+                self.float_refs[name] = float_module
+            set_submodule(root, name, self.engine.prepare(float_module, self.inputs[name], self.spec))
+        self.prepared = True
+
+    def modules(self, root: nn.Module) -> dict[str, nn.Module]:
+        """The target submodules as they are in ``root`` now."""
+        return {name: root.get_submodule(name) for name in self.targets}
+
+    # ------------------------------------------------------------------ phases
+
+    def apply_phase(self, root: nn.Module, phase: Phase) -> None:
+        """Fake-quant, observers and BatchNorm of every target as ``phase`` says."""
+        for module in self.modules(root).values():
+            self.engine.set_phase(module, phase)
+
+    def set_observers(self, root: nn.Module, enabled: bool) -> None:
+        """Observer updates of every target on or off (nothing else changes)."""
+        for module in self.modules(root).values():
+            self.engine.set_observers(module, enabled)
+
+    def take_float_snapshot(self, root: nn.Module) -> None:
+        """Keep the current weights of every target: the float model the fake-quant phase starts from."""
+        self.float_snapshot = {
+            name: {k: v.detach().clone() for k, v in module.state_dict().items()} for name, module in self.modules(root).items()
+        }
+
+    def quant_state(self, root: nn.Module) -> dict[str, torch.Tensor]:
+        """Every observer / fake-quant buffer of every target, by ``<target>.<buffer>``."""
+        return {f"{name}.{k}": v for name, m in self.modules(root).items() for k, v in self.engine.quant_state(m)}
+
+    # ------------------------------------------------------------------ PTQ baseline
+
+    def build_ptq_baseline(
+        self, root: nn.Module, inputs: Mapping[str, Sequence[Inputs]], qconfig_mapping: Any = None,
+        states: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        """PTQ of each target's float weights (live, or ``states`` saved at fake-quant start) on ``inputs``."""
+        for name in self.targets:
+            state = None if states is None else states[name]
+            float_module = float_module_from(self.float_refs[name], root.get_submodule(name), state)
+            self.ptq_modules[name] = ptq_baseline(
+                float_module, inputs[name], self.spec, engine=self.engine, qconfig_mapping=qconfig_mapping
+            )
+
+    # ------------------------------------------------------------------ conversion
+
+    def detach_fake_quant(self, root: nn.Module, name: str) -> nn.Module:
+        """Before converting ``name``: observers off, a fake-quant copy kept, pruning masks folded in."""
+        prepared = root.get_submodule(name)
+        self.engine.set_observers(prepared, False)
+        if self.keep_fake_quant:
+            self.fake_quant_modules[name] = copy.deepcopy(prepared).eval()
+        remove_pruning(prepared)
+        return prepared
+
+    def convert(
+        self,
+        root: nn.Module,
+        lowering: str = "fx",
+        candidates: Optional[Sequence[str]] = None,
+        batch_size: int = 32,
+        min_sqnr_db: float = 25.0,
+        on_choice: Optional[Callable[[str, LoweringChoice], None]] = None,
+    ) -> None:
+        """Convert every target to int8 in place; with ``lowering != "fx"`` also choose its runtime.
+
+        Args:
+            root: the model holding the prepared targets.
+            lowering: ``fx`` (the engine's module), ``auto`` or a runtime name of
+                :data:`~qlightning.quantize.lowering.CANDIDATES`.
+            candidates: the runtimes ``auto`` chooses from (default: all).
+            batch_size: the example input is tiled to this batch for timing and parity.
+            min_sqnr_db: parity a runtime needs against the fake-quant model.
+            on_choice: called with each target's choice (for logging).
+        """
+        for name in self.targets:
+            prepared = self.detach_fake_quant(root, name)
+            int8 = self.engine.convert(prepared, self.spec)
+            self.int8_modules[name] = int8
+            set_submodule(root, name, int8)
+            if lowering != "fx" and name in self.fake_quant_modules:
+                set_submodule(root, name, self.lower(name, int8, lowering, candidates, batch_size, min_sqnr_db, on_choice))
+        self.converted = True
+
+    def reference_module(self, name: str) -> nn.Module:
+        """The q/dq graph that computes what the int8 module ``name`` computes (exports, lowering)."""
+        fake_quant = self.fake_quant_modules.get(name)
+        if fake_quant is None and self.engine.name == "fx":
+            raise ConfigError(
+                f"{name}: ONNX and .pt2 exports are built from the fake-quant copy of the module, which was not kept; "
+                "construct QuantizationAwareTraining with keep_fake_quant=True (the default)"
+            )
+        return self.engine.reference_module(fake_quant, self.int8_modules[name], self.spec)
+
+    def lower(
+        self, name: str, int8: nn.Module, lowering: str, candidates: Optional[Sequence[str]] = None,
+        batch_size: int = 32, min_sqnr_db: float = 25.0,
+        on_choice: Optional[Callable[[str, LoweringChoice], None]] = None,
+    ) -> nn.Module:
+        """The fastest runtime of ``int8`` that is faithful to the fake-quant model (else ``int8``)."""
+        if not candidates:
+            candidates = CANDIDATES if lowering == "auto" else ("fx", lowering)
+        batch = tile_inputs(self.inputs[name], batch_size)
+        try:
+            reference = self.reference_module(name)
+        except Exception:
+            reference = None  # choose_lowering builds its own
+        try:
+            choice = choose_lowering(
+                self.fake_quant_modules[name], int8, batch, candidates=candidates,
+                min_sqnr_db=min_sqnr_db, qdq_module=reference,
+            )
+        except Exception as exc:  # the engine's module is always a valid answer
+            warnings.warn(f"qlightning lowering of {name!r} failed, keeping the {self.engine.name} int8 module: "
+                          f"{type(exc).__name__}: {exc}", stacklevel=2)
+            return int8
+        self.lowering_choices[name] = choice.to_dict()
+        if on_choice is not None:
+            on_choice(name, choice)
+        return choice.module
+
+    def rebuild_lowered(self, name: str, int8: nn.Module, runtime: str, batch_size: int = 32) -> nn.Module:
+        """The runtime ``runtime`` of ``int8`` built again, without timing (another process chose it)."""
+        if runtime == "fx":
+            return int8
+        try:
+            reference = self.reference_module(name)
+        except Exception:
+            reference = None
+        batch = tile_inputs(self.inputs[name], batch_size)
+        return BUILDERS[runtime](LoweringContext(self.fake_quant_modules[name], int8, batch, qdq_module=reference))
+
+    @staticmethod
+    def with_source(wrapper: nn.Module, int8: nn.Module) -> nn.Module:
+        """A lowered runtime module that remembers the engine's int8 module behind it."""
+        return attach_source(wrapper, int8)
+
+    # ------------------------------------------------------------------ variants
+
+    def variants(self, root: nn.Module) -> dict[str, dict[str, nn.Module]]:
+        """The fp32, (ptq,) fake-quant and int8 versions of every target, as the report compares them.
+
+        ``fp32`` is the float copy a PTQ run kept, or (QAT) the fake-quant copy with the weights of
+        :attr:`float_snapshot` and quantization switched off.
+        """
+        int8 = {n: root.get_submodule(n) for n in self.targets}
+        if self.kind == "ptq":
+            return {"fp32": {n: self.float_modules[n] for n in self.targets}, "int8": int8}
+        fake = {name: self.fake_quant_modules[name] for name in self.targets}
+        fp32 = {}
+        for name, module in fake.items():
+            fp32[name] = copy.deepcopy(module).eval()
+            if self.float_snapshot is not None:
+                fp32[name].load_state_dict(self.float_snapshot[name])
+            self.engine.set_phase(fp32[name], Phase(fake_quant=False, observe=False, bn_frozen=True))
+        for module in fake.values():
+            self.engine.set_observers(module, False)
+        out = {"fp32": fp32}
+        if self.targets and all(name in self.ptq_modules for name in self.targets):
+            out["ptq"] = {name: self.ptq_modules[name] for name in self.targets}
+        out.update({"fake_quant": fake, "int8": int8})
+        return out
+
+    @property
+    def fp32_is(self) -> str:
+        """What the report's ``fp32`` column is, in words."""
+        if self.kind == "ptq":
+            return "the float model before conversion"
+        if self.float_snapshot is not None:
+            return "the float weights at fake-quant start"
+        return "the final weights with quantization switched off"

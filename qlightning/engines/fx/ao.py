@@ -1,0 +1,96 @@
+"""The torch.ao pieces the FX engine uses, imported in one place, and the noise they make silenced."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from qlightning.core.quiet import quiet
+from qlightning.errors import EngineUnavailableError
+
+# Warnings torch.ao raises on every call of the deprecated API; we say it once, in the README.
+_NOISY = (
+    r".*torch\.ao\.quantization is deprecated.*",
+    r".*reduce_range will be deprecated.*",
+    r".*quantized tensor creation functions.*deprecated.*",
+    r".*must run observer before calling calculate_qparams.*",
+)
+
+
+def quiet_torch_ao() -> Any:
+    """Silence the deprecation warnings torch.ao raises on every call (said once, in the README)."""
+    return quiet(messages=_NOISY)
+
+
+def load_torch_ao() -> SimpleNamespace:
+    """Import the torch.ao pieces the FX engine needs, or explain why they are missing."""
+    try:
+        with quiet_torch_ao():
+            from torch.ao.nn.intrinsic import qat as nniqat
+            from torch.ao.quantization import (
+                FakeQuantizeBase,
+                ObserverBase,
+                QConfigMapping,
+                get_default_qat_qconfig_mapping,
+                get_default_qconfig_mapping,
+            )
+            from torch.ao.quantization.backend_config import (
+                get_fbgemm_backend_config,
+                get_onednn_backend_config,
+                get_qnnpack_backend_config,
+            )
+            from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
+            from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx, prepare_qat_fx
+    except ImportError as exc:  # pragma: no cover - depends on the torch build
+        raise EngineUnavailableError(
+            f"engine='fx' needs torch.ao FX graph mode quantization (torch.ao.quantization.quantize_fx), "
+            f"which torch {torch.__version__} does not provide ({exc}). FX graph mode is deprecated upstream; "
+            "use engine='pt2e' (torchao), or install a torch that still ships it (2.13 or 2.14)."
+        ) from exc
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k != "exc"})
+
+
+def backend_config_for(backend: str) -> Any:
+    """torch.ao's ``BackendConfig`` of ``backend`` (x86, fbgemm, qnnpack, onednn)."""
+    ao = load_torch_ao()
+    return {
+        "x86": ao.get_x86_backend_config,
+        "fbgemm": ao.get_fbgemm_backend_config,
+        "qnnpack": ao.get_qnnpack_backend_config,
+        "onednn": ao.get_onednn_backend_config,
+    }[backend]()
+
+
+def default_weight_observer() -> Any:
+    """torch.ao's ``default_weight_observer`` (8-bit per-tensor symmetric): where range imbalance hurts."""
+    with quiet_torch_ao():
+        from torch.ao.quantization import default_weight_observer as observer
+    return observer
+
+
+def default_ptq_qconfig_mapping(backend: str) -> Any:
+    """torch.ao's default PTQ ``QConfigMapping`` of ``backend``."""
+    with quiet_torch_ao():
+        return load_torch_ao().get_default_qconfig_mapping(backend)
+
+
+def equalization_qconfig_mapping(layers: Any) -> Any:
+    """A ``QConfigMapping`` giving ``default_equalization_qconfig`` to each named layer (FX ``_equalization_config``)."""
+    with quiet_torch_ao():
+        from torch.ao.quantization import QConfigMapping
+        from torch.ao.quantization.fx._equalize import default_equalization_qconfig
+
+    mapping = QConfigMapping()
+    for name in layers:
+        mapping.set_module_name(name, default_equalization_qconfig)
+    return mapping
+
+
+def fuse(module: Any) -> Any:
+    """``fuse_fx`` of ``module`` (eval): Conv-BN-ReLU -> ConvReLU with BN folded, as FX PTQ fuses it."""
+    with quiet_torch_ao():
+        from torch.ao.quantization.quantize_fx import fuse_fx
+
+        return fuse_fx(module)

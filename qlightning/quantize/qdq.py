@@ -1,0 +1,444 @@
+"""The q/dq program of a converted submodule: ``torch.export`` of its q/dq reference graph, int8 weights folded.
+
+Engine-neutral: the FX engine builds its reference graph (``QuantEngine.reference_module``), PT2E's
+converted module already is one; everything after that (constant folding, the ATen rewrite, the
+ONNX and ``.pt2`` writers) lives here once, for the exporters and the lowering candidates alike.
+See :mod:`qlightning.run.export` for why each route was chosen.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from qlightning.core.inputs import Inputs, flat_tensors, positional_args
+from qlightning.core.quiet import quiet
+from qlightning.engines import quantized_decomposed_ops
+from qlightning.errors import QLightningError
+
+
+class ExportError(QLightningError, RuntimeError):
+    """An artifact could not be written, or does not load; the message says which and why."""
+
+
+def quiet_export() -> Any:
+    """Silence what torch.export / torch.onnx print on every call (progress lines, torchvision notes)."""
+    return quiet(
+        loggers=("torch.onnx", "torch.onnx._internal.exporter._registration", "torch.export", "torch._export",
+                 "onnxscript", "onnx_ir"),
+        all_warnings=True,
+        stdout=True,
+    )
+
+
+def input_names(module: nn.Module, count: int) -> list[str]:
+    """Names of the first ``count`` parameters of ``module.forward`` (``x`` for the digits CNN)."""
+    try:
+        params = [p.name for p in inspect.signature(module.forward).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = params[:count]
+    return names + [f"input_{i}" for i in range(len(names), count)]
+
+
+def export_args(args: Sequence[Any], dynamic_batch: bool) -> tuple[tuple[Any, ...], Optional[tuple[Any, ...]]]:
+    """Example args for ``torch.export`` and ``dynamic_shapes`` marking dim 0 (the batch) as symbolic.
+
+    Tensors whose dim 0 has the batch size of the first tensor share one ``Dim``. A batch of 1 is
+    repeated to 2 (export specializes sizes 0 and 1).
+    """
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)  # .pt2 files keep sample inputs
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
+    if not dynamic_batch or not tensors:
+        return args, None
+    batch = tensors[0].shape[0]
+    out, shapes = [], []
+    dim = torch.export.Dim("batch", min=1)
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch:
+            out.append(a.repeat(2, *([1] * (a.dim() - 1))) if batch == 1 else a.clone())  # no view of a dataset
+            shapes.append({0: dim})
+        else:
+            out.append(a)
+            shapes.append(None)
+    return tuple(out), tuple(shapes)
+
+
+def _overloads(packet: Any) -> set[Any]:
+    return {getattr(packet, name) for name in packet.overloads()}
+
+
+def _op_sets() -> dict[str, set[Any]]:
+    qd = quantized_decomposed_ops()
+    return {
+        "q_tensor": _overloads(qd.quantize_per_tensor),
+        "dq_tensor": _overloads(qd.dequantize_per_tensor),
+        "q_channel": _overloads(qd.quantize_per_channel),
+        "dq_channel": _overloads(qd.dequantize_per_channel),
+    }
+
+
+def _fetch_attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _unique_attr(gm: nn.Module, base: str) -> str:
+    i = 0
+    while hasattr(gm, f"{base}{i}"):
+        i += 1
+    return f"{base}{i}"
+
+
+def _remove_unused_attrs(gm: torch.fx.GraphModule) -> None:
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for kind in ("parameters", "buffers"):
+        for full, _ in list(getattr(gm, f"named_{kind}")()):
+            if full in used or any(u.startswith(full + ".") for u in used):
+                continue
+            owner_name, _, attr = full.rpartition(".")
+            owner = gm.get_submodule(owner_name) if owner_name else gm
+            if attr in owner._parameters:
+                del owner._parameters[attr]
+            elif attr in owner._buffers:
+                del owner._buffers[attr]
+
+
+def fold_constants(gm: torch.fx.GraphModule, keep: Callable[[torch.fx.Node], bool]) -> int:
+    """Evaluate ATen/q-dq calls whose inputs are all constants into buffers (weight quantization -> int8).
+
+    Nodes for which ``keep`` is true (dequantize ops) stay in the graph. Returns the number folded.
+    """
+    values: dict[torch.fx.Node, Any] = {}
+    folded = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr":
+            values[node] = _fetch_attr(gm, node.target)
+            continue
+        if node.op != "call_function" or keep(node) or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        inputs = node.all_input_nodes
+        if not inputs or any(i not in values for i in inputs):
+            continue
+        args = torch.fx.node.map_arg(node.args, lambda n: values[n])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: values[n])
+        try:
+            with torch.no_grad():
+                result = node.target(*args, **kwargs)
+        except Exception:
+            continue
+        if not isinstance(result, torch.Tensor):
+            continue
+        source = next((i.target for i in inputs if i.op == "get_attr"), "const")
+        attr = _unique_attr(gm, source.replace(".", "_") + "_q")
+        gm.register_buffer(attr, result.detach().clone())
+        with gm.graph.inserting_before(node):
+            replacement = gm.graph.get_attr(attr)
+        replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        gm.graph.erase_node(node)
+        values[replacement] = getattr(gm, attr)
+        folded += 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    _remove_unused_attrs(gm)
+    return folded
+
+
+def _dequantize_weight(w: torch.Tensor, zero_point: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (w.to(torch.float32) - zero_point) * scale
+
+
+def _fake_quantize(x: torch.Tensor, scale: float, zero_point: int, quant_min: int, quant_max: int) -> torch.Tensor:
+    # the arithmetic of quantized_decomposed.quantize/dequantize_per_tensor, in core ATen ops only
+    # (aten.fake_quantize_per_tensor_affine lowers to a cachemask op that torch.export cannot trace)
+    if zero_point == 0:
+        return torch.clamp(torch.round(x * (1.0 / scale)), quant_min, quant_max) * scale
+    q = torch.clamp(torch.round(x * (1.0 / scale)) + zero_point, quant_min, quant_max)
+    return (q - zero_point) * scale
+
+
+def _constant(gm: torch.fx.GraphModule, node: Any) -> Any:
+    if isinstance(node, torch.fx.Node):
+        if node.op != "get_attr":
+            raise ExportError(f"pt2_ops=aten: q/dq parameter {node.name} is computed, not a constant")
+        return _fetch_attr(gm, node.target)
+    return node
+
+
+def _buffer_node(gm: torch.fx.GraphModule, value: torch.Tensor, before: torch.fx.Node) -> torch.fx.Node:
+    attr = _unique_attr(gm, "_qlightning_qparam_")
+    gm.register_buffer(attr, value)
+    with gm.graph.inserting_before(before):
+        return gm.graph.get_attr(attr)
+
+
+def to_aten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Rewrite quantized_decomposed q/dq ops to core ATen (loadable without torch.ao), in place.
+
+    ``quantize_per_tensor -> dequantize_per_tensor`` becomes ``round(x / scale) + zp``, clamped, dequantized
+    (the same arithmetic), ``dequantize_per_channel/tensor`` of an int8 constant becomes ``(w - zp) * scale``.
+    """
+    ops = _op_sets()
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in ops["q_tensor"]:
+            x, scale, zp, qmin, qmax = node.args[:5]
+            users = list(node.users)
+            if not users or any(u.target not in ops["dq_tensor"] for u in users):
+                raise ExportError(
+                    f"pt2_ops=aten: quantize node {node.name} feeds {[u.name for u in users]}, not only dequantize "
+                    "nodes; export with export.pt2_ops=quantized_decomposed instead"
+                )
+            scale, zp = float(_constant(gm, scale)), int(_constant(gm, zp))
+            qmin, qmax = int(_constant(gm, qmin)), int(_constant(gm, qmax))
+            with graph.inserting_before(node):
+                fq = graph.call_function(_fake_quantize, (x, scale, zp, qmin, qmax))
+            fq.meta = dict(node.meta)
+            for user in users:
+                user.replace_all_uses_with(fq)
+                graph.erase_node(user)
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in ops["dq_channel"] | ops["dq_tensor"]:
+            w, scale, zp = node.args[:3]
+            scale_t = torch.as_tensor(_constant(gm, scale), dtype=torch.float32)
+            zp_t = torch.as_tensor(_constant(gm, zp)).to(torch.float32)
+            if node.target in ops["dq_channel"]:
+                axis, ndim = int(_constant(gm, node.args[3])), len(_constant(gm, w).shape)
+                shape = [-1 if i == axis else 1 for i in range(ndim)]
+                scale_t, zp_t = scale_t.reshape(shape), zp_t.reshape(shape)
+            scale_n = _buffer_node(gm, scale_t.clone(), node)
+            zp_n = _buffer_node(gm, zp_t.clone(), node)
+            with graph.inserting_before(node):
+                new = graph.call_function(_dequantize_weight, (w, zp_n, scale_n))
+        elif node.target in ops["q_channel"] or node.target in ops["q_tensor"]:
+            raise ExportError(f"pt2_ops=aten: unsupported quantize node {node.name} ({node.target})")
+        else:
+            continue
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    leftovers = [n.name for n in graph.nodes if n.op == "call_function" and "quantized_decomposed" in str(n.target)]
+    if leftovers:
+        raise ExportError(f"pt2_ops=aten: could not rewrite {leftovers}; use export.pt2_ops=quantized_decomposed")
+    graph.eliminate_dead_code()
+    gm.recompile()
+    _remove_unused_attrs(gm)
+    return gm
+
+
+@dataclass
+class QdqProgram:
+    """The q/dq exported program of one submodule (int8 weights folded) and what describes it."""
+
+    program: Any  # torch.export.ExportedProgram
+    args: tuple[Any, ...]
+    dynamic_shapes: Optional[tuple[Any, ...]]
+    input_names: list[str]
+    output_names: list[str]
+
+
+def scalar_qparams(gm: torch.fx.GraphModule) -> int:
+    """Per-tensor q/dq with constant scale/zero point -> the ``.default`` overload with Python scalars.
+
+    The ONNX exporter translates only that overload (with ``.tensor`` it fails: "int() argument must
+    be ... not 'SymbolicTensor'"); per-tensor weights (qnnpack's default qconfig) produce ``.tensor``.
+    Returns how many nodes changed.
+    """
+    qd = quantized_decomposed_ops()
+    targets = {qd.quantize_per_tensor.tensor: qd.quantize_per_tensor.default,
+               qd.dequantize_per_tensor.tensor: qd.dequantize_per_tensor.default}
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in targets or len(node.args) < 3:
+            continue
+        scale, zero_point = node.args[1], node.args[2]
+        if not all(isinstance(a, torch.fx.Node) and a.op == "get_attr" for a in (scale, zero_point)):
+            continue
+        s_val, z_val = _fetch_attr(gm, scale.target), _fetch_attr(gm, zero_point.target)
+        if s_val.numel() != 1 or z_val.numel() != 1:
+            continue
+        node.target = targets[node.target]
+        node.args = (node.args[0], float(s_val.item()), int(z_val.item()), *node.args[3:])
+        changed += 1
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        _remove_unused_attrs(gm)
+    return changed
+
+
+def qdq_program(module: nn.Module, example: Inputs, dynamic_batch: bool = True) -> QdqProgram:
+    """``torch.export`` a q/dq module, fold the weight quantization into int8 constants, export again."""
+    args, dynamic = export_args(positional_args(module, example), dynamic_batch)
+    with quiet_export():
+        first = torch.export.export(module, args, dynamic_shapes=dynamic)
+        gm = first.module()
+        ops = _op_sets()
+        fold_constants(gm, keep=lambda n: n.target in ops["dq_tensor"] | ops["dq_channel"])
+        scalar_qparams(gm)
+        program = torch.export.export(gm, args, dynamic_shapes=dynamic)
+        with torch.no_grad():
+            outputs = flat_tensors(program.module()(*args))
+    names = input_names(module, len(args))
+    out_names = ["output"] if len(outputs) == 1 else [f"output_{i}" for i in range(len(outputs))]
+    return QdqProgram(program, args, dynamic, names, out_names)
+
+
+def aten_program(qdq: QdqProgram) -> Any:
+    """The q/dq program rewritten to core ATen ops (see :func:`to_aten`) and exported again."""
+    with quiet_export():
+        gm = qdq.program.module()
+        to_aten(gm)
+        return torch.export.export(gm, qdq.args, dynamic_shapes=qdq.dynamic_shapes)
+
+
+def qparams_summary(program: Any) -> dict[str, Any]:
+    """Scales / zero points of every q/dq node of a q/dq program, labelled with the module producing the input."""
+    ops = _op_sets()
+    gm = program.graph_module
+    consts = {**dict(program.named_parameters()), **dict(program.named_buffers()), **program.constants}
+    placeholders = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.target}
+
+    def value(arg: Any) -> Any:
+        if isinstance(arg, torch.fx.Node):
+            target = placeholders.get(arg.name) or (arg.target if arg.op == "get_attr" else None)
+            if target in consts:
+                return consts[target]
+            if arg.op == "get_attr":
+                return _fetch_attr(gm, arg.target)
+        return arg
+
+    def label(node: torch.fx.Node) -> str:
+        if node.op == "placeholder" and node.name not in placeholders:
+            return f"input {node.name}"
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack:
+            return list(stack.values())[-1][0] or node.name
+        return node.name
+
+    activations, weights = [], []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in ops["q_tensor"]:
+            scale, zp, qmin, qmax, dtype = (value(a) for a in node.args[1:6])
+            activations.append(
+                {
+                    "after": label(node.args[0]),
+                    "scale": float(scale),
+                    "zero_point": int(zp),
+                    "quant_min": int(qmin),
+                    "quant_max": int(qmax),
+                    "dtype": str(dtype).replace("torch.", ""),
+                }
+            )
+        elif node.target in ops["dq_channel"] | ops["dq_tensor"]:
+            source = node.args[0]
+            if isinstance(source, torch.fx.Node) and (source.op == "get_attr" or source.name in placeholders):
+                w = value(source)
+                scale = torch.as_tensor(value(node.args[1])).float()
+                users = [u for u in node.users]
+                weights.append(
+                    {
+                        "layer": label(users[0]) if users else node.name,
+                        "shape": list(w.shape) if isinstance(w, torch.Tensor) else None,
+                        "dtype": str(getattr(w, "dtype", "")).replace("torch.", ""),
+                        "per_channel_axis": int(value(node.args[3])) if node.target in ops["dq_channel"] else None,
+                        "scale_min": float(scale.min()),
+                        "scale_max": float(scale.max()),
+                    }
+                )
+    return {"activations": activations, "weights": weights}
+
+
+# Per-node debugging metadata torch.export records (source lines, module paths, node provenance):
+# more than half of a small program's serialized graph, and nothing a loaded program needs to run.
+DEBUG_META = ("stack_trace", "from_node", "nn_module_stack", "source_fn_stack", "torch_fn", "original_aten", "seq_nr")
+
+
+def write_pt2(program: Any, path: Path, keep_debug_meta: bool = False) -> None:
+    """``torch.export.save`` of ``program``; without :data:`DEBUG_META` unless ``keep_debug_meta``.
+
+    The program itself is left as it was (its metadata is restored after writing).
+    """
+    saved: list[tuple[dict[str, Any], str, Any]] = []
+    if not keep_debug_meta:
+        for module in program.graph_module.modules():
+            if isinstance(module, torch.fx.GraphModule):
+                for node in module.graph.nodes:
+                    for key in DEBUG_META:
+                        if key in node.meta:
+                            saved.append((node.meta, key, node.meta.pop(key)))
+    try:
+        with quiet_export():
+            torch.export.save(program, str(path))
+    finally:
+        for meta, key, value in saved:
+            meta[key] = value
+
+
+def write_onnx(qdq: QdqProgram, path: Path, opset: Optional[int] = None) -> int:
+    """QDQ ONNX of the q/dq program (dynamo exporter); returns the opset written."""
+    kwargs: dict[str, Any] = {}
+    if opset is not None:
+        kwargs["opset_version"] = opset
+    with quiet_export():
+        torch.onnx.export(
+            qdq.program,
+            (),
+            str(path),
+            dynamo=True,
+            external_data=False,
+            input_names=qdq.input_names,
+            output_names=qdq.output_names,
+            verbose=False,
+            optimize=True,
+            **kwargs,
+        )
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    if unsigned_weight_initializers(model):
+        onnx.save(model, str(path))
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), -1)
+
+
+def unsigned_weight_initializers(model: Any) -> int:
+    """Store int8 weight initializers of ``DequantizeLinear`` as uint8 (value + 128, zero point + 128).
+
+    The dequantized weights are exactly the same. Why: onnxruntime runs QDQ convolutions and matmuls
+    with int8 weights through u8s8 kernels, which on x86 CPUs without VNNI (AVX2, e.g. this project's
+    AMD EPYC machines) sum pairs of u8 x s8 products into int16 with saturation (``vpmaddubsw``):
+    with full-range activations and full-range int8 weights (qnnpack's qconfig, 4-bit-free W8) the
+    ONNX model departed from the int8 model by 11.3 dB SQNR (78.5 % top-1 agreement). uint8 weights
+    take onnxruntime's u8u8 kernels, which widen before multiplying and never saturate. Returns how
+    many initializers changed.
+    """
+    from onnx import numpy_helper
+
+    initializers = {init.name: init for init in model.graph.initializer}
+    pairs = [(n.input[0], n.input[2]) for n in model.graph.node
+             if n.op_type == "DequantizeLinear" and len(n.input) >= 3 and n.input[0] in initializers and n.input[2] in initializers]
+    names = {name for pair in pairs for name in pair}
+    # only where every tensor involved is int8 (a shared zero point moves with all its weights)
+    if any(numpy_helper.to_array(initializers[name]).dtype.name != "int8" for name in names):
+        names = {name for w, zp in pairs for name in (w, zp)
+                 if all(numpy_helper.to_array(initializers[x]).dtype.name == "int8" for x in (w, zp))}
+    for name in names:
+        init = initializers[name]
+        value = numpy_helper.to_array(init)
+        init.CopyFrom(numpy_helper.from_array((value.astype("int16") + 128).astype("uint8"), name))
+    return len(names)

@@ -1,0 +1,222 @@
+"""What you train is what you deploy: the callback never hands over a silently broken int8 model.
+
+Each test is a situation a new user met (issue 14): the defaults on a net that collapsed, a fit that
+ends before fake-quant starts, Lightning features that fight QAT, a checkpoint from another backend.
+All train the digits models for real.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+
+from conftest import make_trainer, test_accuracy
+from qlightning import ConfigError, QuantizationAwareTraining
+from qlightning.errors import FidelityError, IncompleteScheduleError
+from qlightning.examples import DigitsClassifier, DigitsDataModule
+from qlightning.examples.digits import ClassifierModule, ResidualDepthwiseCNN
+
+
+class ResidualDigits(ClassifierModule):
+    """The residual depthwise net of the report: Adam 1e-2, constant LR, from scratch."""
+
+    def __init__(self, lr: float = 1e-2, optimizer: str = "adam", scheduler: str = "constant") -> None:
+        super().__init__(ResidualDepthwiseCNN(), lr=lr, optimizer=optimizer, scheduler=scheduler)
+        self.example_input_array = torch.zeros(1, 1, 8, 8)
+
+
+def float_accuracy(model_cls, epochs, seed=0, **kwargs) -> float:
+    pl.seed_everything(seed)
+    model, dm = model_cls(**kwargs), DigitsDataModule(seed=seed)
+    make_trainer([], max_epochs=epochs).fit(model, datamodule=dm)
+    return test_accuracy(model.net.eval(), dm)
+
+
+# ---------------------------------------------------------------------------------------------- defaults
+
+
+@pytest.mark.slow
+def test_the_defaults_keep_float_accuracy_on_the_net_that_collapsed():
+    """Report: fake-quant from step 0, nothing frozen: float 97.6 %, fake-quant 77.8 %, int8 12.0 %."""
+    fp32 = float_accuracy(ResidualDigits, 6)
+    pl.seed_everything(0)
+    model, dm = ResidualDigits(), DigitsDataModule(seed=0)
+    qat = QuantizationAwareTraining(modules=["net"])  # the defaults
+    make_trainer([qat], max_epochs=6).fit(model, datamodule=dm)
+    assert qat.schedule.fake_quant_start.step > 0 and qat.schedule.observer_freeze is not None  # derived from the run
+    int8 = test_accuracy(model.net, dm)
+    assert int8 >= fp32 - 0.03, (fp32, int8)
+    assert qat.fidelity_results["net"]["passed"]
+
+
+def test_the_default_schedule_is_derived_from_the_length_of_the_run():
+    pl.seed_everything(0)
+    model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
+    qat = QuantizationAwareTraining(modules=["net"])
+    make_trainer([qat], max_epochs=3).fit(model, datamodule=dm)  # 20 steps an epoch: 60 steps
+    assert qat.schedule.fake_quant_start.step == 30 and qat.schedule.observer_freeze.step == 51
+    assert qat.schedule.bn_freeze is None
+    assert qat.converted and test_accuracy(model.net, dm) > 0.9
+
+
+# ---------------------------------------------------------------------------------------------- schedule the fit never reaches
+
+
+def test_milestones_beyond_the_fit_are_a_config_error_before_training():
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 5}, observer_freeze={"step": 500})
+    trainer = make_trainer([qat], max_epochs=2)
+    with pytest.raises(ConfigError) as info:
+        trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
+    text = str(info.value)
+    assert "fake_quant_start={epoch: 5}" in text and "observer_freeze={step: 500}" in text
+    assert "never reached" in text and "40 optimizer steps" in text
+    assert trainer.global_step == 0
+
+
+class StopAfterOneEpoch(EarlyStopping):
+    """EarlyStopping that fires after the first validation, as a plateau would."""
+
+    def __init__(self) -> None:
+        super().__init__(monitor="val/loss", patience=0, check_finite=False)
+
+    def _evaluate_stopping_criteria(self, current):  # noqa: D401 - Lightning's own hook
+        return True, "stopped for the test"
+
+
+def test_a_fit_stopped_before_fake_quant_calibrates_says_so_and_keeps_float_accuracy():
+    """Report: converted anyway with uninitialised scales (zero_point 32527), int8 17-28 %, nothing said."""
+    pl.seed_everything(0)
+    model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 3}, observer_freeze={"epoch": 5})
+    with pytest.warns(UserWarning, match="before fake-quant started"):
+        make_trainer([qat, StopAfterOneEpoch()], max_epochs=6).fit(model, datamodule=dm)
+    assert model.trainer.current_epoch == 1
+    assert qat.converted and any("calibrated observers on" in n for n in qat.notices)
+    float_acc = test_accuracy(qat.session.variants(model)["fp32"]["net"], dm)  # the same weights, quantization off
+    assert float_acc > 0.8 and test_accuracy(model.net, dm) >= float_acc - 0.03
+
+
+def test_a_fit_stopped_before_fake_quant_can_refuse_to_convert():
+    pl.seed_everything(0)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 3}, observer_freeze={"epoch": 5},
+                                    on_incomplete_schedule="error")
+    with pytest.raises(IncompleteScheduleError, match="before fake-quant started"):
+        make_trainer([qat, StopAfterOneEpoch()], max_epochs=6).fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
+    assert not qat.converted
+
+
+# ---------------------------------------------------------------------------------------------- the fidelity gate
+
+
+def _fit_default_job(**qat_kwargs):
+    pl.seed_everything(0)
+    model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 1}, observer_freeze={"epoch": 2},
+                                    bn_freeze={"epoch": 2}, **qat_kwargs)
+    make_trainer([qat], max_epochs=3).fit(model, datamodule=dm)
+    return model, dm, qat
+
+
+def test_the_gate_measures_int8_against_fake_quant_on_validation_batches():
+    model, dm, qat = _fit_default_job()
+    result = qat.fidelity_results["net"]
+    assert result["passed"] and result["inputs"].endswith("validation batches")
+    assert result["samples"] == 4 * 64 and result["sqnr_db"] >= qat.fidelity.min_sqnr_db
+    assert result["top1_agreement"] >= 0.98
+
+
+def test_an_int8_model_that_departs_fails_the_fit_naming_the_module_and_the_layer():
+    with pytest.raises(FidelityError) as info:
+        _fit_default_job(fidelity={"min_sqnr_db": 150.0})  # no real int8 model reaches 150 dB
+    text = str(info.value)
+    assert "net: int8 vs fake-quant" in text and "< 150 dB" in text and "first departing layer" in text
+
+
+def test_on_breach_fallback_ships_the_fake_quant_module_and_says_so():
+    with pytest.warns(UserWarning, match="departs from the fake-quant model"):
+        model, dm, qat = _fit_default_job(fidelity={"min_sqnr_db": 150.0, "on_breach": "fallback"})
+    assert qat.fidelity_results["net"]["action"] == "fell back to the fake-quant module"
+    x, _ = dm.splits["test"].tensors
+    with torch.no_grad():
+        assert torch.equal(model.net(x), qat.fake_quant_modules["net"](x))
+
+
+def test_an_int8_forward_that_crashes_is_a_breach_naming_the_module_and_the_op(monkeypatch):
+    from qlightning.engines.fx.engine import FxEngine
+
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.mean.dim(x.to(memory_format=torch.channels_last), [5])  # a bad dim, like shufflenet's pool
+
+    monkeypatch.setattr(FxEngine, "convert", lambda self, module, spec: Broken())
+    with pytest.raises(FidelityError) as info:
+        _fit_default_job()
+    assert "net: int8 vs fake-quant: the int8 forward fails" in str(info.value)
+    assert "in forward" in str(info.value)
+
+
+def test_bad_fidelity_settings_are_one_config_error():
+    with pytest.raises(ConfigError) as info:
+        QuantizationAwareTraining(fidelity={"min_sqnr_db": "high", "on_breach": "ignore", "batches": 0},
+                                  on_incomplete_schedule="hope")
+    text = str(info.value)
+    for fragment in ("fidelity.min_sqnr_db='high'", "fidelity.on_breach='ignore'", "['fail', 'warn', 'fallback']",
+                     "fidelity.batches=0", "on_incomplete_schedule='hope'"):
+        assert fragment in text
+
+
+# ---------------------------------------------------------------------------------------------- Lightning interplay
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_is_refused_in_setup_with_the_reason(precision):
+    trainer = make_trainer([QuantizationAwareTraining(modules=["net"])], max_epochs=1, precision=precision)
+    with pytest.raises(ConfigError, match="precision='32-true'"):
+        trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
+    assert trainer.global_step == 0
+
+
+def test_swa_with_bn_freeze_and_ema_are_refused_with_the_reason():
+    swa = StochasticWeightAveraging(swa_lrs=1e-3)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 0}, bn_freeze={"epoch": 1})
+    trainer = make_trainer([qat, swa], max_epochs=2)
+    with pytest.raises(ConfigError, match="StochasticWeightAveraging with bn_freeze"):
+        trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
+    trainer = make_trainer([QuantizationAwareTraining(modules=["net"]), EMAWeightAveraging()], max_epochs=2)
+    with pytest.raises(ConfigError, match="EMAWeightAveraging"):
+        trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
+
+
+def test_test_with_ckpt_path_best_after_fit_evaluates_that_checkpoints_int8(tmp_path):
+    """Report: ModelCheckpoint(save_top_k=2) then trainer.test(ckpt_path="best"): KeyError on a fused key."""
+    pl.seed_everything(0)
+    model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 0}, observer_freeze={"epoch": 2})
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val/accuracy", mode="max", save_top_k=2)
+    trainer = make_trainer([qat, ckpt], max_epochs=3, enable_checkpointing=True)
+    trainer.fit(model, datamodule=dm)
+    results = trainer.test(model, datamodule=dm, ckpt_path="best", verbose=False)
+    assert results[0]["test/accuracy"] > 0.9
+    assert qat.converted and "Quantized" in type(model.net.get_submodule("classifier")).__name__
+
+
+def test_resuming_with_another_backend_is_an_error_naming_both(tmp_path):
+    """Report: the backend is part of the state key, so Lightning skipped the state and the process aborted."""
+    pl.seed_everything(0)
+    qat = QuantizationAwareTraining(modules=["net"], backend="qnnpack", fake_quant_start={"epoch": 0},
+                                    observer_freeze={"epoch": 1}, convert_on_fit_end=False)
+    trainer = make_trainer([qat], max_epochs=2)
+    trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
+    path = tmp_path / "qnnpack.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = QuantizationAwareTraining(modules=["net"], backend="x86", fake_quant_start={"epoch": 1},
+                                        observer_freeze={"epoch": 2})
+    trainer = make_trainer([resumed], max_epochs=3)
+    with pytest.raises(ConfigError) as info:
+        trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0), ckpt_path=str(path))
+    assert "backend='x86'" in str(info.value) and "'qnnpack'" in str(info.value)
+    assert trainer.global_step == 0
