@@ -19,15 +19,17 @@ from typing import Any, Iterable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from qlightning.config.allowlist import check_class_paths
+from qlightning.config.checkpoint_check import is_remote
+from qlightning.config.safe_yaml import MAX_BYTES, load_mapping
 from qlightning.config.schema import SCHEMA_VERSION
 from qlightning.errors import ConfigError
 
 ENTRY_POINT_GROUP = "qlightning.recipes"
 # What each schema version changed, so a recipe of another version gets told what to fix.
 SCHEMA_CHANGES = {1: "the first schema (quant.*, trainer.*, data, model, checkpoint, report, export, parity)"}
-# Keys a recipe may not set: they would widen the allowlist or reach into Hydra itself
-# (hydra.callbacks and hydra.job.env_set can run code or change the environment).
-FORBIDDEN_KEYS = ("trusted_modules", "hydra", "defaults")
+# Keys a recipe may not set: they would widen the allowlist, admit remote checkpoints or reach into
+# Hydra itself (hydra.callbacks and hydra.job.env_set can run code or change the environment).
+FORBIDDEN_KEYS = ("trusted_modules", "allow_remote_ckpt", "hydra", "defaults")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def find(name_or_path: str) -> Recipe:
     if path.suffix in (".yaml", ".yml") or "/" in name_or_path:
         if not path.is_file():
             raise ConfigError(f"recipe={name_or_path!r}: no such file")
+        if path.stat().st_size > MAX_BYTES:
+            raise ConfigError(f"recipe={name_or_path!r}: {path.stat().st_size} bytes, above the limit of {MAX_BYTES} bytes for a recipe")
         return Recipe(path.stem, path.resolve(), "file")
     raise ConfigError(f"recipe={name_or_path!r}: unknown recipe; available: {sorted(recipes)} (or give a path to a .yaml file)")
 
@@ -85,14 +89,19 @@ def find(name_or_path: str) -> Recipe:
 def load(recipe: Recipe, user_trusted: Iterable[str] = ()) -> DictConfig:
     """Parse and check a recipe as data; every problem is reported in one :class:`ConfigError`."""
     where = f"recipe {recipe.name!r} ({recipe.path})"
+    data = load_mapping(recipe.path, where)  # bounded: size, nodes, aliases, depth; a mapping
     try:
-        node = OmegaConf.create(recipe.text)
-    except Exception as exc:  # yaml.YAMLError and OmegaConf's own errors
-        raise ConfigError(f"{where}: not valid YAML: {exc}") from None
-    if not isinstance(node, DictConfig):
-        raise ConfigError(f"{where}: a recipe must be a mapping of config keys, got {type(node).__name__}")
+        node = OmegaConf.create(data)
+    except Exception as exc:  # values OmegaConf cannot hold (!!binary, dates, ...)
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(f"{where}: not a config OmegaConf can hold: {reason.split(' full_key:')[0]}") from None
     errors = [f"{where}: sets {key!r}, which a recipe may not set" for key in FORBIDDEN_KEYS if key in node]
     errors += check_class_paths(node, user_trusted, source=where)
+    ckpt = node._get_node("ckpt_path")._value() if "ckpt_path" in node else None
+    if ckpt is not None and (not isinstance(ckpt, str) or "${" in ckpt or is_remote(ckpt)):
+        # a URL (or what an interpolation could turn into one) only from the command line, with allow_remote_ckpt=true
+        errors.append(f"{where}: ckpt_path={ckpt!r}: a remote checkpoint is refused in a recipe; a recipe names a local file "
+                      "(literal path); give a URL on the command line with allow_remote_ckpt=true")
     version = node.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
         if isinstance(version, int) and version > SCHEMA_VERSION:

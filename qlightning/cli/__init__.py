@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -17,6 +18,9 @@ commands:
                            write the int8 model of a checkpoint (TorchScript, ONNX QDQ, .pt2) and check parity
   report RUN_DIR           render report.md and the PNG plots of a run again from its report.json
 
+options:
+  --debug                  show the Python traceback of an unexpected error (or set HYDRA_FULL_ERROR=1)
+
 examples:
   qlightning train
   qlightning train recipe=digits_fast trainer.max_epochs=3 quant.backend=qnnpack
@@ -27,8 +31,39 @@ examples:
 COMMANDS = ("train", "recipes", "doctor", "export", "report")
 
 
+def debugging() -> bool:
+    """Whether an unexpected error should show its traceback (``--debug`` or ``HYDRA_FULL_ERROR=1``)."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("QLIGHTNING_DEBUG") == "1"
+
+
+def internal_error(exc: BaseException, prog: str = "qlightning") -> int:
+    """One line for an unexpected exception (no traceback unless debugging); exit status 1."""
+    if debugging():
+        raise exc
+    text = " ".join(str(exc).split())[:500]
+    print(f"{prog}: internal error: {type(exc).__name__}: {text}\n(rerun with --debug or HYDRA_FULL_ERROR=1 for the traceback, "
+          "and report it if the input was valid)", file=sys.stderr)
+    return 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in args:
+        args = [a for a in args if a != "--debug"]
+        os.environ["QLIGHTNING_DEBUG"] = "1"
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+    from qlightning.errors import ConfigError
+
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"qlightning: configuration error\n{exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # no traceback for any input; a bug shows it with --debug
+        return internal_error(exc)
+
+
+def _dispatch(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if args else 2

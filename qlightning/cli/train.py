@@ -13,17 +13,10 @@ from omegaconf import DictConfig
 
 from qlightning import recipes_registry
 from qlightning.config import store
+from qlightning.config.allowlist import trusted_from_overrides
 from qlightning.errors import ConfigError, QLightningError
 
 _state: dict = {}
-
-
-def _trusted_from_overrides(overrides: Sequence[str]) -> list[str]:
-    for item in overrides:
-        if item.lstrip("+").startswith("trusted_modules="):
-            value = item.split("=", 1)[1].strip("[]")
-            return [v.strip().strip("'\"") for v in value.split(",") if v.strip()]
-    return []
 
 
 def prepare_overrides(overrides: Sequence[str]) -> tuple[list[str], Optional[recipes_registry.Recipe]]:
@@ -33,7 +26,7 @@ def prepare_overrides(overrides: Sequence[str]) -> tuple[list[str], Optional[rec
     for item in overrides:
         if item.startswith("recipe="):
             recipe = recipes_registry.find(item.split("=", 1)[1])
-            trusted = _trusted_from_overrides(overrides)
+            trusted = trusted_from_overrides(overrides)
             store.register(recipe, trusted)
             out += [f"~{g}" for g in store.replaced_groups(recipe, trusted) if g not in chosen]
             item = f"recipe={recipe.name}"
@@ -57,6 +50,15 @@ def _hydra_main(cfg: DictConfig) -> None:
     except QLightningError as exc:  # e.g. a parity breach; report.json is already written
         print(f"qlightning: {exc}", file=sys.stderr)
         sys.exit(1)
+    except Exception as exc:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        from qlightning.cli import debugging, internal_error
+
+        if isinstance(exc, MisconfigurationException) and not debugging():  # Lightning refusing a Trainer setting
+            print(f"qlightning: configuration error\n{' '.join(str(exc).split())}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(internal_error(exc))
 
 
 def _precheck(overrides: Sequence[str], recipe: Optional[recipes_registry.Recipe]) -> None:
@@ -79,6 +81,6 @@ def main(argv: Sequence[str]) -> int:
     # sys.argv[0] is a real file: Lightning's ddp strategy re-launches `python sys.argv[0] sys.argv[1:]`
     # for the other local ranks (or `python -m qlightning.cli.__main__ ...` under `python -m`)
     sys.argv = [str(Path(__file__).with_name("__main__.py")), *overrides]
-    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")  # --debug (qlightning.cli.main) sets it to 1
     _hydra_main()
     return 0

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from qlightning import recipes_registry
 from qlightning.config import store
+from qlightning.config.allowlist import trusted_from_overrides
 from qlightning.config.schema import TrainConfig
 from qlightning.errors import ConfigError
 
@@ -22,10 +23,9 @@ def compose_config(overrides: Sequence[str] = (), recipe: Optional[str] = None) 
     Schema errors (unknown keys, wrong types, bad enum values) become :class:`ConfigError`.
     """
     overrides = list(overrides)
-    trusted = [o.split("=", 1)[1].strip("[]") for o in overrides if o.startswith("trusted_modules=")]
     if recipe is not None:
         found = recipes_registry.find(recipe)
-        trusted_list = [t.strip() for item in trusted for t in item.split(",") if t.strip()]
+        trusted_list = trusted_from_overrides(overrides)
         store.register(found, trusted_list)
         chosen = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
         overrides += [f"~{g}" for g in store.replaced_groups(found, trusted_list) if g not in chosen]
@@ -51,6 +51,13 @@ def compose_config(overrides: Sequence[str] = (), recipe: Optional[str] = None) 
     finally:
         store.register()
     problems = schema_errors(untyped)
+    # the semantic checks that need no schema (targets, Trainer values, interpolations) in the same round
+    from qlightning.config.validate import static_problems
+
+    try:
+        problems += [p for p in static_problems(untyped) if p not in problems]
+    except Exception:  # an untyped config can hold anything; the schema errors above are the news
+        pass
     raise ConfigError(problems or [first]) from None
 
 

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from qlightning.config.allowlist import BUILTIN_PREFIXES, DENIED_PREFIXES, trusted_prefixes
+from qlightning.config.allowlist import NotAllowed, not_allowed_message, resolve_object
 
 OBSERVERS = {
     "minmax": "MinMaxObserver",
@@ -59,8 +59,6 @@ OBS_KEYS = {"fake_quant", "observer", "dtype", "qscheme", "quant_min", "quant_ma
             "averaging_constant", "ch_axis", "eps", "is_dynamic", "scale", "zero_point", "use_grad_scaling", "bins"}
 NATIVE_PRESETS = ("default", "float16_static", "float16_dynamic", "dynamic", "weight_only")
 MAPPING_KEYS = ("global", "object_type", "module_name", "module_name_regex", "module_name_object_type_order")
-# Object types name functions and classes used as dictionary keys; they are imported, never called.
-OBJECT_TYPE_PREFIXES = ("torch.", "operator.", "torchao.")
 
 
 def plain(node: Any) -> Any:
@@ -75,35 +73,20 @@ def close(value: str, choices: Iterable[str]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
-def resolve_reference(path: Any, key: str, errors: list[str], trusted: Iterable[str] = (), object_type: bool = False) -> Any:
-    """Import ``a.b.C`` if it is allowed; a class or function, never called here."""
-    if not isinstance(path, str) or "." not in path:
-        errors.append(f"{key}={path!r}: give a dotted path such as torch.nn.Linear")
-        return None
-    prefixes = trusted_prefixes(trusted) + (OBJECT_TYPE_PREFIXES if object_type else ())
-    if path.startswith(DENIED_PREFIXES) or not any(path.startswith(p) for p in prefixes):
-        errors.append(
-            f"{key}={path!r}: not an allowed class; allowed module prefixes: {sorted(p.rstrip('.') for p in prefixes)} "
-            "(trust your own package with trusted_modules=[...] on the command line)"
-        )
-        return None
-    module_path, _, name = path.rpartition(".")
+def resolve_reference(path: Any, key: str, errors: list[str], trusted: Iterable[str] = (), object_type: bool = False,
+                      kind: Optional[str] = None) -> Any:
+    """The class or function ``a.b.C`` names, checked by identity (:mod:`qlightning.config.allowlist`).
+
+    ``kind`` is ``object_type`` (a qconfig key: module class or quantizable function),
+    ``module_class`` (non-traceable / standalone / custom-module classes) or ``observer``; the
+    object is imported without side effects and never called here.
+    """
+    kind = kind or ("object_type" if object_type else "module_class")
     try:
-        target = getattr(importlib.import_module(module_path), name)
-    except (ImportError, AttributeError) as exc:
-        # nested classes / attributes of modules: walk from the longest importable prefix
-        parts = path.split(".")
-        for cut in range(len(parts) - 1, 0, -1):
-            try:
-                target = importlib.import_module(".".join(parts[:cut]))
-                for attr in parts[cut:]:
-                    target = getattr(target, attr)
-                return target
-            except (ImportError, AttributeError):
-                continue
-        errors.append(f"{key}={path!r}: cannot be resolved ({type(exc).__name__}: {exc})")
+        return resolve_object(path, kind, trusted)
+    except NotAllowed as exc:
+        errors.append(not_allowed_message(key, path, exc, kind))
         return None
-    return target
 
 
 def load_presets() -> dict[str, dict]:
@@ -143,7 +126,7 @@ class QConfigBuilder:
         if observer_name in OBSERVERS:
             observer_cls = getattr(self.tq, OBSERVERS[observer_name])
         elif isinstance(observer_name, str) and observer_name.startswith("torch.ao."):
-            observer_cls = resolve_reference(observer_name, f"{key}.observer", errors, self.trusted)
+            observer_cls = resolve_reference(observer_name, f"{key}.observer", errors, self.trusted, kind="observer")
         else:
             errors.append(f"{key}.observer={observer_name!r}: unknown observer{close(observer_name, OBSERVERS)}; valid: {sorted(OBSERVERS)}")
             observer_cls = None
@@ -197,7 +180,7 @@ class QConfigBuilder:
         if fake_quant not in FAKE_QUANTS:
             errors.append(f"{key}.fake_quant={fake_quant!r}: unknown fake-quant{close(fake_quant, FAKE_QUANTS)}; valid: {sorted(FAKE_QUANTS)} or null")
             return None
-        fq_cls = resolve_reference(FAKE_QUANTS[fake_quant], f"{key}.fake_quant", errors)
+        fq_cls = resolve_reference(FAKE_QUANTS[fake_quant], f"{key}.fake_quant", errors, kind="observer")
         if fake_quant == "learnable":
             kwargs.setdefault("scale", 0.1)
             kwargs["zero_point"] = float(kwargs.get("zero_point", 0.0))

@@ -219,7 +219,8 @@ class TrainConfig:
 
     schema_version: int = field(default=SCHEMA_VERSION, metadata={"help": "version of this schema a recipe was written for"})
     seed: int = field(default=0, metadata={"help": "seeds data split, init and shuffling"})
-    ckpt_path: Optional[str] = field(default=None, metadata={"help": "resume from this checkpoint"})
+    ckpt_path: Optional[str] = field(default=None, metadata={"help": "resume from this checkpoint: a local file, checked (weights_only=True) against the model before training"})
+    allow_remote_ckpt: bool = field(default=False, metadata={"help": "let ckpt_path be a URL (downloaded, then checked like a local file); command line only, never a recipe"})
     data: Dict[str, Any] = field(default_factory=dict, metadata={"help": "_target_ data module class + its arguments"})
     model: Dict[str, Any] = field(default_factory=dict, metadata={"help": "_target_ LightningModule class + its arguments"})
     quant: QuantConf = field(default_factory=QuantConf, metadata={"help": "what to quantize, how and when"})
@@ -228,7 +229,7 @@ class TrainConfig:
     report: ReportConf = field(default_factory=ReportConf, metadata={"help": "the float / fake-quant / int8 report"})
     export: ExportConf = field(default_factory=ExportConf, metadata={"help": "exported artifacts"})
     parity: ParityConf = field(default_factory=ParityConf, metadata={"help": "the fake-vs-real parity gate"})
-    trusted_modules: List[str] = field(default_factory=list, metadata={"help": "module prefixes whose classes _target_ may name, beyond torch/torchao/torchmetrics/lightning/qlightning; command line or QLIGHTNING_TRUSTED_MODULES only, never a recipe"})
+    trusted_modules: List[str] = field(default_factory=list, metadata={"help": "your modules whose own classes and functions a config may name, beyond the built-in set (README: Security); command line or QLIGHTNING_TRUSTED_MODULES only, never a recipe"})
 
 
 def section(cfg: Any, key: str) -> Any:

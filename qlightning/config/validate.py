@@ -4,38 +4,123 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from qlightning.core.inputs import resolve_targets
-from qlightning.config.export_schema import check_export_config
 from qlightning.config.build import build_callback, check_targets, instantiate_checked
+from qlightning.config.checkpoint_check import check_checkpoint
+from qlightning.config.export_schema import check_export_config
 from qlightning.config.qconfig import check_against_model
+from qlightning.config.trainer_check import check_trainer
 from qlightning.errors import ConfigError
+
+
+def interpolation_errors(node: Any, prefix: str = "") -> list[str]:
+    """Every interpolation or resolver that fails (missing key, unknown resolver, bad argument), with its key path."""
+    from qlightning.config.compose import describe
+
+    errors: list[str] = []
+    if isinstance(node, DictConfig):
+        items = [(k, f"{prefix}.{k}" if prefix else str(k)) for k in node.keys()]
+    elif isinstance(node, ListConfig):
+        items = [(i, f"{prefix}[{i}]") for i in range(len(node))]
+    else:
+        return errors
+    for key, path in items:
+        try:
+            value = node[key]
+        except Exception as exc:  # InterpolationKeyError, UnsupportedInterpolationType, resolver errors
+            message = describe(exc)
+            errors.append(f"{path}: cannot resolve {_raw(node, key)!r}: {message.split(': ', 1)[-1] if message.startswith(path) else message}")
+            continue
+        errors.extend(interpolation_errors(value, path))
+    return errors
+
+
+def _raw(node: Any, key: Any) -> Any:
+    try:
+        return node._get_node(key)._value()
+    except Exception:
+        return "?"
+
+
+def module_list_errors(cfg: Any) -> list[str]:
+    """``quant.modules`` must be a flat list of names (a nested list used to be dropped silently)."""
+    try:
+        quant = cfg.get("quant") if isinstance(cfg, DictConfig) else None
+        modules = quant.get("modules") if isinstance(quant, DictConfig) else None
+    except Exception:  # an interpolation that does not resolve: reported by interpolation_errors
+        return []
+    if modules is None:
+        return []
+    if not isinstance(modules, ListConfig):
+        return [f"quant.modules={OmegaConf.to_container(modules) if isinstance(modules, DictConfig) else modules!r}: "
+                "give a list of submodule names or glob patterns, e.g. [net]"]
+    errors = []
+    for i in range(len(modules)):
+        item = modules._get_node(i)
+        value = OmegaConf.to_container(item, resolve=False) if isinstance(item, (DictConfig, ListConfig)) else item._value()
+        if not isinstance(value, str) or not value:
+            errors.append(f"quant.modules[{i}]={value!r}: each entry must be one submodule name or glob pattern "
+                          "(nested lists are not flattened)")
+    return errors
+
+
+def static_problems(cfg: DictConfig) -> list[str]:
+    """Checks that need neither the model nor the callback: targets, Trainer values, interpolations, module list.
+
+    They run on a typed or an untyped config, so they are reported together with schema errors.
+    """
+    problems = check_targets(cfg) + interpolation_errors(cfg) + module_list_errors(cfg)
+    trainer = cfg.get("trainer")
+    if isinstance(trainer, DictConfig):
+        try:
+            plain = OmegaConf.to_container(trainer, resolve=True, enum_to_str=True)
+        except Exception:
+            plain = None  # reported by interpolation_errors
+        if plain is not None:
+            problems += check_trainer(plain)
+    return problems
 
 
 def validate_config(cfg: DictConfig) -> tuple[list[str], Any, Any]:
     """Returns ``(problems, callback or None, model or None)``.
 
-    Checks: allowlisted ``_target_``s, the callback's arguments (backend, engine, schedule,
-    qconfigs, custom configs), then — with the model built, no data loaded — that every
-    submodule name, regex and class the config mentions exists in the model.
+    Checks: the ``_target_``s (by identity, before anything is built), Trainer values,
+    interpolations, the callback's arguments (backend, engine, schedule, qconfigs, custom
+    configs), then — with the model built, no data loaded — that every submodule name, regex and
+    class the config mentions exists in the model, and that ``ckpt_path`` is a plain-data
+    checkpoint of this very model. A remote ``ckpt_path`` allowed with ``allow_remote_ckpt=true``
+    is downloaded and ``cfg.ckpt_path`` replaced by the local copy.
     """
-    problems = check_targets(cfg) + check_export_config(cfg)
+    static = static_problems(cfg)
+    problems = static + check_export_config(cfg)
     callback: Optional[Any] = None
     model: Optional[Any] = None
-    try:
-        callback = build_callback(cfg)
-    except ConfigError as exc:
-        problems.extend(exc.problems)
-    if not any(p.startswith(("model", "data:")) for p in problems):
+    if not any(p.startswith(("quant.modules", "quant:")) for p in static) and not any(
+            "cannot resolve" in p for p in static):
+        try:
+            callback = build_callback(cfg)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if not static:  # nothing is instantiated unless every _target_ and value passed
         try:
             model = instantiate_checked(cfg.model, "model")
         except ConfigError as exc:
             problems.extend(exc.problems)
+        import lightning.pytorch as pl
+
+        if model is not None and not isinstance(model, pl.LightningModule):
+            problems.append(f"model._target_={cfg.model.get('_target_')!r}: built a {type(model).__name__}, not a LightningModule")
+            model = None
     if model is not None:
         try:
             targets = resolve_targets(model, list(cfg.quant.modules), key="quant.modules")
             problems.extend(check_against_model({t: model.get_submodule(t) for t in targets}, cfg.quant))
         except ConfigError as exc:
             problems.extend(exc.problems)
+    if cfg.get("ckpt_path") is not None and not problems:
+        problems.extend(check_checkpoint(cfg, model, lambda: build_callback(cfg)))
+    elif cfg.get("ckpt_path") is not None:
+        problems.extend(check_checkpoint(cfg, None, lambda: build_callback(cfg)))
     return problems, callback, model
