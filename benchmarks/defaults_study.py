@@ -152,6 +152,8 @@ CANDIDATES: dict[str, tuple[float, float | None, float | None]] = {
     "o25_90": (0.25, 0.90, None),
     "o50_85": (0.50, 0.85, None),
     "o10_80": (0.10, 0.80, None),
+    # fake-quant from half the run, nothing frozen (after the convert fixes of notes/fidelity.md)
+    "n50_00": (0.50, None, None),
 }
 
 
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"comma-separated names from {list(CANDIDATES)}")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--seeds", default="", help="prune stage only: comma-separated seeds (default 0)")
-    p.add_argument("--out", type=Path, default=HERE / "results.jsonl")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "defaults_study.jsonl")
     p.add_argument("--max-minutes", type=float, default=1e9, help="start no new run after this many minutes")
     p.add_argument("--report", action="store_true", help="print the tables from --out and exit")
     args = p.parse_args(argv)

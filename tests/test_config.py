@@ -454,7 +454,8 @@ def test_convert_preserved_attributes_survive_conversion():
 def _short_fit_overrides(run_dir: Path) -> list[str]:
     return [f"hydra.run.dir={run_dir}", "trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2",
             "trainer.limit_test_batches=2", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
-            "report.latency_repeats=2", "parity.on_breach=warn"]  # 4 steps leave scales barely calibrated
+            "report.latency_repeats=2", "parity.on_breach=warn", "quant.schedule.auto=true",
+            "quant.fidelity.on_breach=warn"]  # 4 steps leave scales barely calibrated
 
 
 def test_trainer_checkpoint_report_and_convert_keys_reach_the_run(tmp_path):

@@ -140,25 +140,10 @@ def pattern_objects() -> dict[int, tuple[Any, set[str]]]:
     import operator
 
     import torch
-    import torch.ao.quantization.backend_config.utils  # noqa: F401  (the getters below need it imported)
-    from torch.ao.quantization import backend_config as bc
 
-    def flatten(p: Any) -> Iterator[Any]:
-        if isinstance(p, tuple):
-            for item in p:
-                yield from flatten(item)
-        elif not isinstance(p, str):
-            yield p
+    from qlightning.engines.fx.ao import backend_config_callables  # lazy: imports torch.ao
 
-    getters = [bc.get_native_backend_config, bc.get_fbgemm_backend_config, bc.get_qnnpack_backend_config,
-               bc.get_onednn_backend_config, bc.get_executorch_backend_config]
-    found: dict[int, Any] = {}
-    for getter in getters:
-        for config in getter().configs:
-            pattern = config.pattern if config.pattern is not None else config._pattern_complex_format
-            for obj in flatten(pattern):
-                if obj is not None and callable(obj):
-                    found[id(obj)] = obj
+    found = {id(obj): obj for obj in backend_config_callables()}
     namespaces = {"torch": torch, "torch.nn.functional": torch.nn.functional, "operator": operator}
     for oid, obj in found.items():
         names = {f"{m}.{n}" for m, ns in namespaces.items() for n, v in vars(ns).items() if v is obj}
@@ -186,10 +171,9 @@ def _in_kind(obj: Any, kind: str, trusted: tuple[str, ...]) -> bool:
         return (issubclass(obj, torch.nn.Module) and _under(module, MODULE_CLASS_HOMES)) or (
             kind == "object_type" and id(obj) in pattern_objects())
     if kind == "observer":
-        from torch.ao.quantization import FakeQuantizeBase
-        from torch.ao.quantization.observer import ObserverBase
+        from qlightning.engines.fx.ao import observer_base_classes  # lazy: imports torch.ao
 
-        return issubclass(obj, (ObserverBase, FakeQuantizeBase)) and _under(module, ("torch.ao.", "torchao."))
+        return issubclass(obj, observer_base_classes()) and _under(module, ("torch.ao.", "torchao."))
     return False
 
 

@@ -14,6 +14,7 @@ from qlightning import recipes_registry
 from qlightning.config import store
 from qlightning.config.allowlist import trusted_from_overrides
 from qlightning.config.schema import TrainConfig
+from qlightning.config.validate import describe, static_problems
 from qlightning.errors import ConfigError
 
 
@@ -52,8 +53,6 @@ def compose_config(overrides: Sequence[str] = (), recipe: Optional[str] = None) 
         store.register()
     problems = schema_errors(untyped)
     # the semantic checks that need no schema (targets, Trainer values, interpolations) in the same round
-    from qlightning.config.validate import static_problems
-
     try:
         problems += [p for p in static_problems(untyped) if p not in problems]
     except Exception:  # an untyped config can hold anything; the schema errors above are the news
@@ -68,15 +67,6 @@ def _compose(overrides: list[str]) -> DictConfig:
             return compose(config_name="train", overrides=overrides)
     finally:
         GlobalHydra.instance().clear()
-
-
-def describe(exc: BaseException) -> str:
-    """``full.key: message`` from an OmegaConf / Hydra error, without the object dump."""
-    cause = exc.__cause__ or exc
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    full_key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), "")
-    message = next((line for line in lines if not line.startswith(("full_key:", "reference_type", "object_type"))), str(cause))
-    return f"{full_key}: {message}" if full_key else message
 
 
 def _leaves(node: Any, schema: Any, path: str) -> list[tuple[str, Any]]:

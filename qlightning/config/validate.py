@@ -15,10 +15,17 @@ from qlightning.config.trainer_check import check_trainer
 from qlightning.errors import ConfigError
 
 
+def describe(exc: BaseException) -> str:
+    """``full.key: message`` from an OmegaConf / Hydra error, without the object dump."""
+    cause = exc.__cause__ or exc
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    full_key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), "")
+    message = next((line for line in lines if not line.startswith(("full_key:", "reference_type", "object_type"))), str(cause))
+    return f"{full_key}: {message}" if full_key else message
+
+
 def interpolation_errors(node: Any, prefix: str = "") -> list[str]:
     """Every interpolation or resolver that fails (missing key, unknown resolver, bad argument), with its key path."""
-    from qlightning.config.compose import describe
-
     errors: list[str] = []
     if isinstance(node, DictConfig):
         items = [(k, f"{prefix}.{k}" if prefix else str(k)) for k in node.keys()]

@@ -94,3 +94,37 @@ def fuse(module: Any) -> Any:
         from torch.ao.quantization.quantize_fx import fuse_fx
 
         return fuse_fx(module)
+
+
+def backend_config_callables() -> list[Any]:
+    """Every module class and function the backend configs of torch.ao name in a pattern (what a
+    qconfig mapping's ``object_type`` may name), for the config allowlist."""
+    with quiet_torch_ao():
+        import torch.ao.quantization.backend_config.utils  # noqa: F401  (the getters below need it imported)
+        from torch.ao.quantization import backend_config as bc
+
+    def flatten(p: Any) -> Any:
+        if isinstance(p, tuple):
+            for item in p:
+                yield from flatten(item)
+        elif not isinstance(p, str):
+            yield p
+
+    getters = [bc.get_native_backend_config, bc.get_fbgemm_backend_config, bc.get_qnnpack_backend_config,
+               bc.get_onednn_backend_config, bc.get_executorch_backend_config]
+    found: dict[int, Any] = {}
+    for getter in getters:
+        for config in getter().configs:
+            pattern = config.pattern if config.pattern is not None else config._pattern_complex_format
+            for obj in flatten(pattern):
+                if obj is not None and callable(obj):
+                    found[id(obj)] = obj
+    return list(found.values())
+
+
+def observer_base_classes() -> tuple[type, ...]:
+    """torch.ao's observer and fake-quant base classes."""
+    with quiet_torch_ao():
+        from torch.ao.quantization import FakeQuantizeBase
+        from torch.ao.quantization.observer import ObserverBase
+    return (ObserverBase, FakeQuantizeBase)
