@@ -48,5 +48,8 @@ def test_trainer_test_with_ckpt_path_loads_a_qat_checkpoint(tmp_path):
     fresh = DigitsClassifier()
     qat = QuantizationAwareTraining(modules=["net"])
     result = make_trainer([qat]).test(fresh, datamodule=dm, ckpt_path=str(last), verbose=False)
-    assert result[0]["test/accuracy"] > 0.95  # the fake-quant model, loaded strictly
-    assert qat.prepared and not qat.converted
+    assert result[0]["test/accuracy"] > 0.95  # loaded strictly into the fake-quant model, then converted
+    assert qat.prepared and qat.converted  # what ships is what is tested: the int8 model
+    fake_quant = QuantizationAwareTraining(modules=["net"], convert_on_fit_end=False)
+    result = make_trainer([fake_quant]).test(DigitsClassifier(), datamodule=dm, ckpt_path=str(last), verbose=False)
+    assert result[0]["test/accuracy"] > 0.95 and fake_quant.prepared and not fake_quant.converted

@@ -116,16 +116,23 @@ def test_artifact_reloads_in_a_fresh_process_and_reproduces_int8(run_dir, int8_r
     assert sqnr_db(expected[:1], got["one"]) >= 30.0
 
 
-def test_onnx_is_qdq_with_int8_weights_and_a_dynamic_batch(run_dir):
+def test_onnx_is_qdq_with_8_bit_weights_and_a_dynamic_batch(run_dir):
+    """The weights are 8-bit initializers, stored unsigned (int8 + 128, zero point + 128: the same values)
+    so that onnxruntime takes its u8u8 kernels, which do not saturate on CPUs without VNNI."""
     import onnx
+    from onnx import numpy_helper
 
     model = onnx.load(str(run_dir / "int8_net.onnx"))
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("QuantizeLinear") == 8  # one per activation
     assert ops.count("DequantizeLinear") == 12  # activations + the 4 weights
     assert ops.count("Conv") == 3 and ("Gemm" in ops or "MatMul" in ops)
-    int8_weights = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) >= 2]
-    assert sorted(list(i.dims) for i in int8_weights) == sorted([[16, 1, 3, 3], [32, 16, 3, 3], [64, 32, 3, 3], [10, 64]])
+    weights = [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.UINT8 and len(i.dims) >= 2]
+    assert sorted(list(i.dims) for i in weights) == sorted([[16, 1, 3, 3], [32, 16, 3, 3], [64, 32, 3, 3], [10, 64]])
+    assert not [i for i in model.graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) >= 2]
+    zero_points = {n.input[2] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in {w.name for w in weights}}
+    values = {name: numpy_helper.to_array(i) for i, name in ((i, i.name) for i in model.graph.initializer)}
+    assert all((values[z] == 128).all() for z in zero_points)  # symmetric int8 weights: zero point 0 + 128
     batch = model.graph.input[0].type.tensor_type.shape.dim[0]
     assert batch.dim_param and not batch.dim_value
 

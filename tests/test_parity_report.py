@@ -191,7 +191,10 @@ def test_clipping_artifact_is_caught(qat_run, tmp_path, monkeypatch):
     """A .pt2 whose activations fill 0..255 (the q/dq widened without the clamp) while int8 clamps to the
     trained [0, 127], as every artifact did before convert clamped: the gate sees it."""
     model, dm, qat = qat_run
-    monkeypatch.setattr(exporting, "explicit_activation_clamps", exporting.full_range_activations)
+    from qlightning.engines.fx.reference import full_range_activations
+    from qlightning.quantize import qdq
+
+    monkeypatch.setattr(qdq, "explicit_activation_clamps", full_range_activations)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         extra = export_and_check(qat, model, dm, tmp_path, *configs(formats=("pt2",), report=False, on_breach="warn"))

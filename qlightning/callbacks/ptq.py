@@ -21,9 +21,12 @@ from qlightning.callbacks import lightning_compat as compat
 from qlightning.callbacks.base import SessionCallback, check_common_arguments
 from qlightning.callbacks.calibration_data import _STEP, calibration_batches, collect_inputs
 from qlightning.callbacks.distributed import broadcast_buffers
+from qlightning.callbacks.qat import QuantizationAwareTraining
 from qlightning.core.inputs import Inputs, RandomStates, as_inputs, capture_inputs, evaluating, example_inputs_for, resolve_targets
 from qlightning.core.session import QuantSession, set_submodule
 from qlightning.engines import BACKENDS, ENGINES, QuantEngine, QuantSpec, get_engine
+from qlightning.engines.fx.qconfigs import dynamic_qconfig_mapping, quantize_dynamic_eager
+from qlightning.quantize.equalization import equalized_layers
 from qlightning.quantize.calibration import calibrate, calibrate_and_convert, float_module_from, run_to_targets, spec_for_ptq
 from qlightning.quantize.ptq import apply_cle, equalization_mapping, ptq_baseline
 from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError, TraceError
@@ -168,8 +171,6 @@ class PostTrainingQuantization(SessionCallback, Callback):
         self.dynamic_fallback = dynamic_fallback
         self.keep_float = keep_float
         if mode in ("dynamic", "weight_only") and qconfig_mapping is None:
-            from qlightning.engines.fx.qconfigs import dynamic_qconfig_mapping
-
             qconfig_mapping = dynamic_qconfig_mapping(mode)
         self.session = QuantSession(self._engine, QuantSpec(), names, kind="ptq")  # type: ignore[arg-type]
         self.spec = QuantSpec(
@@ -214,8 +215,6 @@ class PostTrainingQuantization(SessionCallback, Callback):
                 "PostTrainingQuantization: the model was already quantized; fit a fresh float model "
                 "(or create the callback again after reloading float weights)"
             )
-        from qlightning.callbacks.qat import QuantizationAwareTraining
-
         for other in trainer.callbacks:
             if isinstance(other, QuantizationAwareTraining):
                 clash = [
@@ -292,8 +291,6 @@ class PostTrainingQuantization(SessionCallback, Callback):
         rank_zero_info(f"[qlightning] PTQ ({self.mode}, {self.backend}) of {self.targets} ({how}){calibrated}")
 
     def _quantize_dynamic(self, pl_module: "pl.LightningModule") -> None:
-        from qlightning.engines.fx.qconfigs import quantize_dynamic_eager
-
         for name in self.targets:
             float_module = pl_module.get_submodule(name)
             if self.keep_float:
@@ -343,8 +340,6 @@ class PostTrainingQuantization(SessionCallback, Callback):
             if eq is None:
                 details.pop("equalization", None)
             else:
-                from qlightning.quantize.equalization import equalized_layers
-
                 details.setdefault("equalization", {})["layers"] = equalized_layers(eq)
             spec = spec_for_ptq(self.spec, None, eq)
             set_submodule(pl_module, name, self.engine.prepare(float_module, self.inputs[name], spec))

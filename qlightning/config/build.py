@@ -10,7 +10,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from qlightning.callbacks import QuantizationAwareTraining
+from qlightning.callbacks import PostTrainingQuantization, QuantizationAwareTraining
 from qlightning.config.allowlist import check_class_paths
 from qlightning.engines import Inputs, check_engine_options
 from qlightning.errors import ConfigError
@@ -131,8 +131,6 @@ def build_callback(cfg: DictConfig) -> Any:
     ptq = cfg.quant.ptq
     try:
         if _enum_value(cfg.quant.method) == "ptq":
-            from qlightning.callbacks.ptq import PostTrainingQuantization
-
             for key in ("fake_quant_start", "observer_freeze", "bn_freeze", "observe_stages", "convert_on_fit_end",
                         "lowering", "lowering_candidates", "lowering_batch_size", "lowering_min_sqnr_db",
                         "fidelity", "on_incomplete_schedule", "calibration_batches"):

@@ -89,6 +89,24 @@ class QuantEngine(ABC):
         """Scale / zero point summaries per observer, for logging and reports."""
         return {}
 
+    def reset_observers(self, module: nn.Module) -> int:
+        """Forget every observer's running statistics (before a calibration on data); returns how many.
+
+        Moving-average observers that ran while the weights were still changing hold an average of
+        old ranges (with ``averaging_constant=0.01`` a short calibration barely moves it).
+        """
+        count = 0
+        for m in module.modules():
+            reset = getattr(m, "reset_min_max_vals", None)
+            if callable(reset):
+                reset()
+                count += 1
+        return count
+
+    def takes_quantized_inputs(self, spec: QuantSpec) -> bool:
+        """Whether modules converted with ``spec`` take int8 tensors (not float) as inputs."""
+        return False
+
     def reference_module(self, prepared: nn.Module, int8: nn.Module, spec: Optional[QuantSpec]) -> nn.Module:
         """A float graph of quantize/dequantize ops that computes what ``int8`` computes.
 

@@ -45,7 +45,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from qlightning.core.inputs import Inputs, positional_args
+from qlightning.core.inputs import Inputs, capture_inputs, positional_args
 
 # Layers worth quantizing: a subtree without any of these is not a candidate of its own.
 QUANTIZABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -620,8 +620,6 @@ def _example_of(model: nn.Module, example_inputs: Any) -> Optional[Inputs]:
 
 def _check_on_inputs(model: nn.Module, findings: list[Finding], modules: dict[str, nn.Module], example_inputs: Any) -> bool:
     """Run each traced graph on the inputs its module receives in a real forward; report mismatches."""
-    from qlightning.core.inputs import capture_inputs
-
     inputs = _example_of(model, example_inputs)
     if inputs is None:
         return False

@@ -13,11 +13,13 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from qlightning.core.inputs import Inputs, positional_args
+from qlightning.core.inputs import Inputs, capture_inputs, positional_args
 from qlightning.core.schedule import Phase
 from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, quantized_engine, settle_fake_quant_state, trained_qparams
 from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao
 from qlightning.engines.fx.prepare import faster_prepare
+from qlightning.engines.fx.fast_fq import swap_fake_quant
+from qlightning.engines.fx.qconfigs import clamp_quantized_weights
 from qlightning.engines.fx.reference import CLAMP_META, reference_module
 from qlightning.errors import TraceError
 
@@ -198,6 +200,10 @@ class FxEngine(QuantEngine):
     def backend_config(self, spec: QuantSpec) -> Any:
         return spec.backend_config if spec.backend_config is not None else backend_config_for(spec.backend)
 
+    def takes_quantized_inputs(self, spec: QuantSpec) -> bool:
+        config = spec.prepare_custom_config
+        return bool(getattr(config, "input_quantized_indexes", None))
+
     def reference_module(self, prepared: nn.Module, int8: nn.Module, spec: Optional[QuantSpec]) -> nn.Module:
         if spec is None:
             return reference_module(prepared, int8)
@@ -230,8 +236,6 @@ class FxEngine(QuantEngine):
         if spec.is_qat and spec.options.get("fast_qat", True):
             # vectorized fake-quant, ReLU fused into the fake-quant after it (both bit-identical to torch.ao),
             # conv-bn dividing the weight rather than the conv output (float rounding): see fast_fq.py
-            from qlightning.engines.fx.fast_fq import swap_fake_quant
-
             swap_fake_quant(prepared, fake_quant=True, conv_bn=spec.options.get("fast_conv_bn", True), relu=True,
                             linear=spec.options.get("fast_linear", True))
         if spec.is_qat:
@@ -266,8 +270,6 @@ class FxEngine(QuantEngine):
         if config is None:
             return None
         from dataclasses import replace
-
-        from qlightning.core.inputs import capture_inputs
 
         wanted = [n for n, e in config.standalone_module_names.items() if e.example_inputs is None]
         by_class = {cls: next((n for n, m in module.named_modules() if isinstance(m, cls)), None)
@@ -334,8 +336,6 @@ class FxEngine(QuantEngine):
                 convert_custom_config=spec.convert_custom_config,
                 backend_config=self.backend_config(spec),
             )
-        from qlightning.engines.fx.qconfigs import clamp_quantized_weights
-
         names = dict(converted.named_modules())
         for name, (low, high) in ranges.items():
             if name in names and (low, high) != (-128, 127):
