@@ -35,7 +35,8 @@ import lightning.pytorch as pl  # noqa: E402
 from torch import nn  # noqa: E402
 
 from qlightning import QuantizationAwareTraining  # noqa: E402
-from qlightning.examples.digits import ClassifierModule, DigitsCNN, DigitsDataModule  # noqa: E402
+from qlightning.examples.digits import ClassifierModule, DigitsCNN, DigitsDataModule, ResidualDepthwiseCNN  # noqa: E402
+from qlightning.examples.digits import RowTransformer as RowTransformer_  # noqa: E402
 
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
@@ -46,64 +47,8 @@ HERE = Path(__file__).resolve().parent
 # ----------------------------------------------------------------------------- architectures
 
 
-class ResidualDWBlock(nn.Module):
-    """Depthwise 3x3 conv-bn-relu, pointwise 1x1 conv-bn, add the input, relu."""
-
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.dw = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, groups=c, bias=False), nn.BatchNorm2d(c), nn.ReLU())
-        self.pw = nn.Sequential(nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c))
-        self.relu = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.relu(self.pw(self.dw(x)) + x)
-
-
-class ResidualDWNet(nn.Module):
-    """Conv-bn-relu stem, three residual depthwise-separable blocks, global average pool, linear."""
-
-    def __init__(self, c: int = 32, blocks: int = 3, num_classes: int = 10) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
-        self.blocks = nn.Sequential(*[ResidualDWBlock(c) for _ in range(blocks)])
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(c, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
-
-
-class RowTransformer(nn.Module):
-    """The 8 image rows as tokens: Linear embed + learned positions, one pre-LN encoder block
-    (2-head self-attention written with nn.Linear / matmul / softmax, ReLU MLP), mean-pool, Linear head.
-    Shapes are constants, so torch.fx traces it."""
-
-    def __init__(self, d: int = 48, heads: int = 2, mlp: int = 96, num_classes: int = 10) -> None:
-        super().__init__()
-        self.d, self.heads, self.dh = d, heads, d // heads
-        self.embed = nn.Linear(8, d)
-        self.pos = nn.Parameter(torch.zeros(1, 8, d))
-        nn.init.normal_(self.pos, std=0.02)
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, mlp)
-        self.act = nn.ReLU()
-        self.fc2 = nn.Linear(mlp, d)
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, num_classes)
-        self.scale = self.dh**-0.5
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x.reshape(-1, 8, 8)) + self.pos  # (N, 8 tokens, d)
-        qkv = self.qkv(self.ln1(x)).reshape(-1, 8, 3, self.heads, self.dh).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]  # (N, h, 8, dh)
-        attn = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * self.scale, dim=-1)
-        ctx = torch.matmul(attn, v).transpose(1, 2).reshape(-1, 8, self.d)
-        x = x + self.proj(ctx)
-        x = x + self.fc2(self.act(self.fc1(self.ln2(x))))
-        return self.head(self.ln_f(x).mean(dim=1))
+# the study's nets live in the package (tests/test_default_schedule.py checks the chosen default on them)
+ResidualDWNet, RowTransformer = ResidualDepthwiseCNN, RowTransformer_
 
 
 ARCHS = {"cnn": lambda: DigitsCNN(), "resdw": lambda: ResidualDWNet(), "tfm": lambda: RowTransformer()}
