@@ -392,8 +392,8 @@ def test_recipe_from_an_installed_package(tmp_path):
 def test_multirun_writes_a_comparison_table(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "qlightning.cli", "train", "-m", "recipe=digits_fast", "quant.backend=x86,qnnpack",
-         "trainer.max_epochs=1", "quant.schedule.fake_quant_start.epoch=0", "trainer.enable_progress_bar=false",
-         f"hydra.sweep.dir={tmp_path}/sweep"],
+         "trainer.max_epochs=1", "quant.schedule.auto=true", "quant.fidelity.on_breach=warn",
+         "trainer.enable_progress_bar=false", f"hydra.sweep.dir={tmp_path}/sweep"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-2000:]

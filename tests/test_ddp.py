@@ -270,7 +270,7 @@ def test_torchrun_runs_the_cli_job_on_two_processes(tmp_path):
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "qlightning.cli", "train",
         "trainer.strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.max_epochs=2",
-        "quant.schedule.fake_quant_start.epoch=1", f"hydra.run.dir={run_dir}",
+        "quant.schedule.auto=true", f"hydra.run.dir={run_dir}",
     ]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     output = proc.stdout + proc.stderr
