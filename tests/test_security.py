@@ -561,7 +561,7 @@ def test_a_checkpoint_written_by_training_passes_the_check(tmp_path):
 
     from qlightning.examples import DigitsDataModule
 
-    overrides = ["quant.schedule.fake_quant_start.epoch=0", "quant.convert_on_fit_end=false"]
+    overrides = ["quant.schedule.auto=true", "quant.convert_on_fit_end=false"]  # 3 steps: a derived schedule
     callback = build_callback(compose_config(overrides))
     trainer = pl.Trainer(max_steps=3, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, accelerator="cpu")
