@@ -804,9 +804,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         self, pl_module: "pl.LightningModule", name: str, int8: nn.Module, runtime: str, data: Optional[bytes]
     ) -> nn.Module:
         """The runtime rank 0 chose for ``name``: its pickled module, or built again (not timed) here."""
-        if runtime == "fx":
-            return int8
-        if data is not None:
+        if data is not None and runtime != "fx":
             return attach_source(loads_modules(data), int8)
         return self.session.rebuild_lowered(name, int8, runtime, self.lowering_batch_size)
 

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
+from qlightning.callbacks.qat import ON_INCOMPLETE
 from qlightning.config.export_schema import ExportConf, ParityConf
+from qlightning.core.fidelity import ON_BREACH
 
 SCHEMA_VERSION = 1
 
@@ -116,15 +118,9 @@ class PtqConf:
     baseline: bool = field(default=False, metadata={"help": "QAT runs: also PTQ the float weights at fake-quant start, reported as 'ptq'"})
 
 
-class OnBreach(str, Enum):
-    fail = "fail"
-    warn = "warn"
-    fallback = "fallback"
-
-
-class OnIncomplete(str, Enum):
-    calibrate = "calibrate"
-    error = "error"
+# the valid choices live with the code that acts on them; the schema's enums read the same tables
+OnBreach = Enum("OnBreach", {choice: choice for choice in ON_BREACH}, type=str)
+OnIncomplete = Enum("OnIncomplete", {choice: choice for choice in ON_INCOMPLETE}, type=str)
 
 
 @dataclass

@@ -19,7 +19,6 @@ from torch import nn
 
 from qlightning.core.inputs import Inputs, flat_tensors, source_of
 from qlightning.core.metrics import MAX_SQNR_DB, ratio_db, top1_agreement
-from qlightning.errors import ConfigError
 
 ON_BREACH = ("fail", "warn", "fallback")
 
@@ -329,12 +328,3 @@ def _name_layers(result: ModuleFidelity, reference: nn.Module, candidate: nn.Mod
     result.first_departing_layer = None if first is None else f"{first['layer']} ({first['db']:.1f} dB)"
     result.worst_layers = [[row["layer"], row["db"]] for row in sorted(rows, key=lambda r: r["db"])[:3]
                            if row["db"] < MAX_SQNR_DB]
-
-
-def check_config(value: Any, prefix: str = "fidelity") -> FidelityConfig:
-    """:meth:`FidelityConfig.from_value`, raising one :class:`ConfigError` with every problem."""
-    errors: list[str] = []
-    config = FidelityConfig.from_value(value, errors, prefix)
-    if errors:
-        raise ConfigError(errors)
-    return config

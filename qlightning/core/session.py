@@ -22,7 +22,7 @@ from qlightning.core.schedule import Phase
 from qlightning.engines import QuantEngine, QuantSpec
 from qlightning.errors import ConfigError
 from qlightning.quantize.calibration import float_module_from
-from qlightning.quantize.lowering import BUILDERS, CANDIDATES, LoweringChoice, LoweringContext, attach_source, choose_lowering
+from qlightning.quantize.lowering import BUILDERS, CANDIDATES, LoweringChoice, LoweringContext, choose_lowering
 from qlightning.quantize.ptq import ptq_baseline
 
 
@@ -284,11 +284,6 @@ class QuantSession:
             reference = None
         batch = tile_inputs(self.inputs[name], batch_size)
         return BUILDERS[runtime](LoweringContext(self.fake_quant_modules[name], int8, batch, qdq_module=reference))
-
-    @staticmethod
-    def with_source(wrapper: nn.Module, int8: nn.Module) -> nn.Module:
-        """A lowered runtime module that remembers the engine's int8 module behind it."""
-        return attach_source(wrapper, int8)
 
     # ------------------------------------------------------------------ variants
 
