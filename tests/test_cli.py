@@ -35,6 +35,22 @@ def test_default_job_trains_converts_and_reports(tmp_path):
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert (run / "int8_net.pt").is_file()
     assert "int8" in out.stdout and "fake_quant" in out.stdout  # the printed table
+    # the last screen says where the run is, whether the gates passed, and int8 vs float
+    tail = out.stdout[out.stdout.index("qlightning · fx · x86"):]
+    assert f"run folder: {run}" in tail
+    assert "fidelity gate net (int8 vs fake-quant): passed" in tail
+    assert "parity gate (exports vs int8): passed" in tail
+    assert f"int8 accuracy {metrics['int8']['accuracy']:.4f} vs fp32" in tail
+    # nothing but the run's own lines: no Lightning tips, no library warnings (stderr included)
+    assert "Tip:" not in out.stdout + out.stderr
+    assert "Warning" not in out.stdout + out.stderr and "deprecated" not in out.stdout + out.stderr, out.stderr[-2000:]
+    # train.log holds the run's log, qlightning's lines included
+    log = (run / "train.log").read_text()
+    assert "[qlightning] converted ['net'] to int8" in log and "fidelity net: int8 vs fake-quant" in log
+    # the CSV logger has the phase, the scales and the final report figures
+    header = (run / "logs" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"qat/fake_quant", "report/int8/accuracy", "report/fidelity/net/sqnr_db"} <= set(header)
+    assert any(h.startswith("qat/scale/net.") for h in header)
 
 
 def test_int8_model_file_loads_without_qlightning(tmp_path):
@@ -76,6 +92,10 @@ def test_overrides_reach_the_run(tmp_path):
         (["quant.modules=[backbone]"], "no submodule 'backbone'"),
         (["recipe=no_such_recipe"], "unknown recipe; available: ["),
         (["model._target_=os.system"], "not an allowed class"),
+        (["loggers=[wandb]"], "expected one of [csv, tensorboard]"),
+        # the default job's milestones (epochs 3 and 6) past a shorter run: named as config keys, with the fix
+        (["trainer.max_epochs=4"], "quant.schedule.observer_freeze={epoch: 6}: the fit ends after 80 optimizer steps"),
+        (["trainer.max_epochs=4"], "set quant.schedule.auto=true"),
     ],
 )
 def test_bad_config_exits_early_with_a_clear_message(tmp_path, overrides, fragment):
@@ -85,6 +105,37 @@ def test_bad_config_exits_early_with_a_clear_message(tmp_path, overrides, fragme
     assert fragment in text, text[-2000:]
     assert "Traceback" not in text
     assert not (tmp_path / "run" / "checkpoints").exists()  # no training step ran
+
+
+def test_tensorboard_logger_gets_phase_scales_and_report(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = qlightning("train", "recipe=digits_fast", "loggers=[csv,tensorboard]", f"hydra.run.dir={tmp_path}/run",
+                     "trainer.enable_progress_bar=false", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    events = EventAccumulator(str(tmp_path / "run" / "logs" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"qat/fake_quant", "qat/observe", "report/int8/accuracy", "report/fidelity/net/sqnr_db"} <= tags, tags
+    assert any(t.startswith("qat/scale/net.") for t in tags)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert events.Scalars("report/int8/accuracy")[-1].value == pytest.approx(report["metrics"]["int8"]["accuracy"])
+    assert "report/int8/accuracy" in (tmp_path / "run" / "logs" / "metrics.csv").read_text().splitlines()[0]
+
+
+def test_tensorboard_missing_is_a_config_error_before_training(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    import importlib.util
+
+    from qlightning.errors import ConfigError
+    from qlightning.run.app import build_loggers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("tensorboard") else real(name, *a))
+    with pytest.raises(ConfigError, match=r"loggers=\[tensorboard\]: the tensorboard package is not installed; pip install 'qlightning\[tensorboard\]'"):
+        build_loggers(OmegaConf.create({"loggers": ["csv", "tensorboard"]}), tmp_path)
 
 
 def test_hostile_recipe_runs_nothing(tmp_path):

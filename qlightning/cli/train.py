@@ -38,8 +38,10 @@ def prepare_overrides(overrides: Sequence[str]) -> tuple[list[str], Optional[rec
 
 @hydra.main(version_base="1.3", config_path="pkg://qlightning.conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
+    from qlightning.cli.console import route_logging
     from qlightning.run.app import train
 
+    route_logging()
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     provenance = recipes_registry.provenance(_state.get("recipe"))
     try:

@@ -101,6 +101,9 @@ ARGUMENT_KEYS = {
     "fidelity": "quant.fidelity",
     "on_incomplete_schedule": "quant.on_incomplete_schedule",
     "calibration_batches": "quant.calibration_batches",
+    "fake_quant_start": "quant.schedule.fake_quant_start",
+    "observer_freeze": "quant.schedule.observer_freeze",
+    "bn_freeze": "quant.schedule.bn_freeze",
 }
 _ARGUMENT = re.compile(
     r"(?<![\w.])(engine_options|engine|backend_config|backend|qconfig_mapping|prepare_custom_config|convert_custom_config"

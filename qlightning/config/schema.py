@@ -52,6 +52,11 @@ class CalibrationSource(str, Enum):
     val = "val"
 
 
+class LoggerName(str, Enum):
+    csv = "csv"
+    tensorboard = "tensorboard"
+
+
 class Stage(str, Enum):
     train = "train"
     validate = "validate"
@@ -225,6 +230,7 @@ class TrainConfig:
     report: ReportConf = field(default_factory=ReportConf, metadata={"help": "the float / fake-quant / int8 report"})
     export: ExportConf = field(default_factory=ExportConf, metadata={"help": "exported artifacts"})
     parity: ParityConf = field(default_factory=ParityConf, metadata={"help": "the fake-vs-real parity gate"})
+    loggers: List[LoggerName] = field(default_factory=lambda: [LoggerName.csv], metadata={"help": "Lightning loggers writing into the run folder's logs/ (csv, tensorboard: needs the tensorboard extra); they get the QAT phase, activation scales and the final report metrics"})
     trusted_modules: List[str] = field(default_factory=list, metadata={"help": "your modules whose own classes and functions a config may name, beyond the built-in set (README: Security); command line or QLIGHTNING_TRUSTED_MODULES only, never a recipe"})
 
 

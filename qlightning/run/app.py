@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
 import time
@@ -11,12 +12,12 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import DictConfig, OmegaConf
 
 from qlightning.callbacks.checkpoint import AtomicCheckpointIO, ModelCheckpointWithFinalLast
 from qlightning.callbacks.distributed import broadcast_object, local_metrics
-from qlightning.config.build import instantiate_checked
+from qlightning.config.build import config_keys, instantiate_checked
 from qlightning.config.schema import sections
 from qlightning.config.validate import validate_config
 from qlightning.core.inputs import source_of
@@ -24,12 +25,37 @@ from qlightning.run import report as reporting
 from qlightning.run.artifacts import finalize_run
 from qlightning.run.export import save_int8
 from qlightning.run.report import evaluation_trainer
+from qlightning.run.summary import log_report, print_summary
 from qlightning.errors import ConfigError, QLightningError
 
 
 def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items() if v is not None}
     return kwargs
+
+
+def tensorboard_available() -> bool:
+    """Lightning's TensorBoardLogger writes with ``tensorboard`` or ``tensorboardX``."""
+    return any(importlib.util.find_spec(name) is not None for name in ("tensorboard", "tensorboardX"))
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
+    """The run's Lightning loggers, all writing under ``run_dir/logs``; a missing package is a ConfigError."""
+    names = [getattr(n, "value", n) for n in cfg.get("loggers", ["csv"])]
+    loggers: list[Logger] = []
+    for name in dict.fromkeys(names):
+        if name == "csv":
+            loggers.append(CSVLogger(str(run_dir), name="logs", version=""))
+        elif name == "tensorboard":
+            if not tensorboard_available():
+                raise ConfigError(
+                    "loggers=[tensorboard]: the tensorboard package is not installed; "
+                    "pip install 'qlightning[tensorboard]', or use loggers=[csv]"
+                )
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            loggers.append(TensorBoardLogger(str(run_dir), name="logs", version="tensorboard", default_hp_metric=False))
+    return loggers
 
 
 def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] = None) -> dict[str, Any]:
@@ -58,14 +84,18 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
         every_n_epochs=cfg.checkpoint.every_n_epochs if cfg.checkpoint.every_n_train_steps is None else None,
         every_n_train_steps=cfg.checkpoint.every_n_train_steps,
     )
+    loggers = build_loggers(cfg, run_dir)
     trainer = pl.Trainer(
         **trainer_kwargs(cfg),
         default_root_dir=str(run_dir),
         callbacks=[callback, ckpt],
         plugins=[AtomicCheckpointIO()],  # a killed run leaves whole checkpoints only
-        logger=CSVLogger(str(run_dir), name="logs", version=""),
+        logger=loggers or False,
     )
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    except ConfigError as exc:  # raised by the callback before the first step: say it in config keys
+        raise ConfigError([_cli_advice(config_keys(p)) for p in exc.problems]) from None
 
     result: dict[str, Any] = {"run_dir": str(run_dir), "provenance": provenance or {}}
     # Exports, the report and the parity gate run once, on global rank 0, while the other ranks wait
@@ -87,11 +117,19 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
     if trainer.is_global_zero:  # every rank returns the same result; one writes it
         if "metrics" in result:
             reporting.write(result, run_dir)
-            reporting.print_table(result)
+            log_report(trainer.loggers, result, step=trainer.global_step)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         if provenance:
             (run_dir / "provenance.json").write_text(json.dumps(provenance, indent=2))
+        if "metrics" in result:
+            reporting.print_table(result)
+        print_summary(result, run_dir)
     return result
+
+
+def _cli_advice(problem: str) -> str:
+    """The callback's advice in terms of the command line."""
+    return problem.replace("leave the schedule to the run (the default)", "set quant.schedule.auto=true (milestones from the run's length)")
 
 
 def _export_and_report(

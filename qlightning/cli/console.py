@@ -1,0 +1,54 @@
+"""What `qlightning train` prints and logs: Lightning's messages through Hydra's handlers (console and
+``train.log``), warnings into the same log, Lightning's advertising tips off, and known upstream noise
+filtered with the upstream issue named."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# (message regex, category, where it comes from and why it is not ours to fix)
+UPSTREAM_NOISE: tuple[tuple[str, type[Warning], str], ...] = (
+    (r".*isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
+     "lightning/pytorch/utilities/_pytree.py on torch >= 2.10: Lightning-AI/pytorch-lightning#21326"),
+    (r".*The TorchScript type system doesn't support instance-level annotations on empty non-base types",
+     UserWarning, "torch.jit.script of torch.ao's quantized modules (their __init__ annotates an empty list)"),
+    (r".*does not have many workers which may be a bottleneck", UserWarning,
+     "Lightning's advice for the in-memory digits/MiniLM loaders, which have nothing to load in parallel"),
+)
+LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
+TIP_PREFIX = "\N{ELECTRIC LIGHT BULB} Tip:"
+
+
+class _NoTips(logging.Filter):
+    """Drops Lightning's "Tip: try installing litlogger/litmodels" lines (Lightning 2.6 prints them every fit)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(TIP_PREFIX)
+
+
+def filter_upstream_noise() -> None:
+    """Process-wide filters for :data:`UPSTREAM_NOISE` (the CLI owns its process; a library user's is theirs)."""
+    for pattern, category, _ in UPSTREAM_NOISE:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
+
+
+def route_logging() -> None:
+    """After Hydra configured the root logger: Lightning's loggers go through its handlers, warnings too.
+
+    Lightning gives ``lightning.pytorch``/``lightning.fabric`` their own stream handler and stops
+    propagation when imported before logging is configured (qlightning imports it before Hydra runs),
+    so nothing it says (qlightning's ``[qlightning]`` lines included) reached ``train.log``.
+    """
+    root = logging.getLogger()
+    for name in LIGHTNING_LOGGERS:
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if type(handler) is logging.StreamHandler:
+                logger.removeHandler(handler)
+        logger.propagate = True
+    for handler in root.handlers:
+        if not any(isinstance(f, _NoTips) for f in handler.filters):
+            handler.addFilter(_NoTips())
+    logging.captureWarnings(True)
+    filter_upstream_noise()

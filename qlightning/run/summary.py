@@ -1,0 +1,96 @@
+"""What a run ends with: one screen on the console (where the run is, whether the int8 model is faithful,
+int8 vs float) and the same final figures in every Lightning logger of the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+# the variant names of report["metrics"], most trustworthy float reference first
+FLOAT_VARIANTS = ("float", "fp32")
+
+
+def verdict_lines(result: dict[str, Any]) -> list[str]:
+    """The gates' verdicts in words: the fit-end fidelity gate (int8 vs fake-quant) and the export parity gate."""
+    lines: list[str] = []
+    fidelity = result.get("fidelity") or {}
+    for name, check in fidelity.items():
+        if check.get("error"):
+            lines.append(f"fidelity {name}: not measured ({check['error']})")
+            continue
+        state = "passed" if check.get("passed") else "FAILED"
+        figures = f"SQNR {check.get('sqnr_db')} dB"
+        if check.get("top1_agreement") is not None:
+            figures += f", top-1 agreement {check['top1_agreement']:.3f}"
+        action = check.get("action")
+        lines.append(f"fidelity gate {name} (int8 vs fake-quant): {state}, {figures}"
+                     + (f"; {action}" if action and action != "kept int8" else ""))
+    parity = result.get("parity") or {}
+    if parity.get("enabled"):
+        gated = [c for c in parity.get("checks", []) if c.get("gated")]
+        if parity.get("passed"):
+            lines.append(f"parity gate (exports vs int8): passed, {len(gated)} checks")
+        else:
+            lines.append(f"parity gate (exports vs int8): FAILED: {'; '.join(map(str, parity.get('breaches', [])))}")
+    return lines
+
+
+def headline(result: dict[str, Any]) -> Optional[str]:
+    """``int8 accuracy 0.9963 vs float 0.9852 (the float weights at fake-quant start)``, or ``None`` without metrics."""
+    metrics = result.get("metrics") or {}
+    int8 = metrics.get("int8") or {}
+    reference = next((v for v in FLOAT_VARIANTS if v in metrics), None)
+    if not int8 or reference is None:
+        return None
+    keys = [k for k in int8 if k in metrics[reference]]
+    key = next((k for k in ("accuracy", "acc", "top1") if k in keys), keys[0] if keys else None)
+    if key is None:
+        return None
+    label = result.get("fp32_is") or result.get("float_is") or reference
+    return f"int8 {key} {int8[key]:.4f} vs {reference} {metrics[reference][key]:.4f} ({reference} = {label})"
+
+
+def print_summary(result: dict[str, Any], run_dir: Path, console: Any = None) -> None:
+    """The end-of-run screen after the table: the run folder, the gates' verdicts, notices, int8 vs float."""
+    from rich.console import Console
+
+    console = console or Console()
+    line = headline(result)
+    if line:
+        console.print(line, soft_wrap=True)
+    for text in verdict_lines(result):
+        style = "bold red" if "FAILED" in text else None
+        console.print(text, style=style, soft_wrap=True)
+    for notice in result.get("notices") or []:
+        console.print(f"NOTICE: {notice}", style="bold yellow", soft_wrap=True)
+    files = [p for p in ("report.md", "report.json", "train.log") if (run_dir / p).exists()]
+    console.print(f"run folder: {run_dir}  ({', '.join(files)}, checkpoints/)", soft_wrap=True)
+
+
+def report_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """The final figures as flat logger metrics: ``report/<variant>/<metric>``, ``report/fidelity/<module>/sqnr_db``."""
+    out: dict[str, float] = {}
+    for variant, values in (result.get("metrics") or {}).items():
+        for key, value in values.items():
+            if isinstance(value, (int, float)):
+                out[f"report/{variant}/{key}"] = float(value)
+    for name, check in (result.get("fidelity") or {}).items():
+        for key in ("sqnr_db", "top1_agreement"):
+            if isinstance(check.get(key), (int, float)):
+                out[f"report/fidelity/{name}/{key}"] = float(check[key])
+        out[f"report/fidelity/{name}/passed"] = float(bool(check.get("passed")))
+    for variant, ms in (result.get("latency_ms") or {}).items():
+        if isinstance(ms, (int, float)):
+            out[f"report/latency_ms/{variant}"] = float(ms)
+    return out
+
+
+def log_report(loggers: Iterable[Any], result: dict[str, Any], step: int) -> None:
+    """Give every Lightning logger the final report figures (after fit: logged, then saved)."""
+    metrics = report_metrics(result)
+    if not metrics:
+        return
+    for logger in loggers:
+        logger.log_metrics(metrics, step=step)
+        logger.save()
+        logger.finalize("success")
