@@ -409,6 +409,17 @@ def test_readme_config_reference_is_generated_from_the_schema():
     assert "| `quant.schedule.fake_quant_start.epoch` | int \\| null | `3` |" in block
 
 
+def test_readme_recipe_table_lists_every_shipped_recipe_from_its_header():
+    from qlightning import recipes_registry
+    from qlightning.config.reference import RECIPES_END, RECIPES_START, recipe_markdown
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index(RECIPES_START): readme.index(RECIPES_END) + len(RECIPES_END)]
+    assert block == recipe_markdown(), "run: python -m qlightning.config.reference --write README.md"
+    shipped = [n for n, r in recipes_registry.discover().items() if r.origin == "qlightning"]
+    assert all(f"| `{name}` |" in block for name in shipped) and "minilm_pt2e" in shipped
+
+
 def test_every_schema_key_is_documented():
     from qlightning.config.reference import rows
 

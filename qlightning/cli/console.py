@@ -11,8 +11,6 @@ import warnings
 UPSTREAM_NOISE: tuple[tuple[str, type[Warning], str], ...] = (
     (r".*isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
      "lightning/pytorch/utilities/_pytree.py on torch >= 2.10: Lightning-AI/pytorch-lightning#21326"),
-    (r".*The TorchScript type system doesn't support instance-level annotations on empty non-base types",
-     UserWarning, "torch.jit.script of torch.ao's quantized modules (their __init__ annotates an empty list)"),
     (r".*does not have many workers which may be a bottleneck", UserWarning,
      "Lightning's advice for the in-memory digits/MiniLM loaders, which have nothing to load in parallel"),
 )

@@ -7,6 +7,7 @@ between the markers; a test fails when the README and the schema disagree.
 from __future__ import annotations
 
 import argparse
+import re
 import dataclasses
 import enum
 import typing
@@ -66,10 +67,39 @@ def markdown() -> str:
     return "\n".join(lines + ["", END])
 
 
+RECIPES_START, RECIPES_END = "<!-- recipe-table:start -->", "<!-- recipe-table:end -->"
+
+
+def recipe_summary(text: str) -> str:
+    """A recipe's header comment after its command line, up to the end of the first sentence."""
+    lines = []
+    for line in text.splitlines()[1:]:
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    prose = " ".join(lines)
+    end = re.search(r"(?<!\bal)\.\s+(?=[A-Z])", prose)  # "Nagel et al. 2019" is not a sentence end
+    return (prose[: end.start() + 1] if end else prose).replace("|", "\\|")
+
+
+def recipe_markdown() -> str:
+    """The README's table of shipped recipes, from the recipes themselves."""
+    from qlightning import recipes_registry
+
+    lines = [RECIPES_START, "", "| recipe | what |", "| --- | --- |"]
+    for name, recipe in sorted(recipes_registry.discover().items()):
+        if recipe.origin == "qlightning":
+            lines.append(f"| `{name}` | {recipe_summary(recipe.text)} |")
+    return "\n".join(lines + ["", RECIPES_END])
+
+
 def write(readme: Path) -> bool:
+    """Replace the generated blocks (configuration reference, recipe table) in ``readme``."""
     text = readme.read_text()
-    start, end = text.index(START), text.index(END) + len(END)
-    new = text[:start] + markdown() + text[end:]
+    new = text
+    for (first, last), body in (((START, END), markdown()), ((RECIPES_START, RECIPES_END), recipe_markdown())):
+        start, end = new.index(first), new.index(last) + len(last)
+        new = new[:start] + body + new[end:]
     readme.write_text(new)
     return new != text
 

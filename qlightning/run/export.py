@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from qlightning.core.inputs import Inputs, flat_tensors, positional_args, source_of
+from qlightning.core.quiet import quiet
 from qlightning.core.session import session_of
 from qlightning.quantize.qdq import (
     ExportError,
@@ -113,16 +114,26 @@ def save_int8(module: torch.nn.Module, path: Path, inputs: Inputs) -> Optional[s
     Scripted when possible, else traced on the captured example inputs (FX-generated code
     carries annotations TorchScript cannot parse). Returns a problem description or ``None``.
     """
-    try:
-        scripted = torch.jit.script(module)
-    except Exception:
+    # TorchScript's complaints about code it handles anyway: torch.ao's quantized modules annotate an
+    # empty list in __init__; a PT2E graph's torch._check asserts trace as constants (the parity gate
+    # runs the saved file against the int8 model, so a wrong trace is caught there, not here)
+    with quiet(messages=_TORCHSCRIPT_NOISE):
         try:
-            with torch.no_grad():
-                scripted = torch.jit.trace(module, inputs.args, check_trace=False)
-        except Exception as exc:  # say so in the report instead of failing the whole run
-            return f"{type(exc).__name__}: {exc}"
+            scripted = torch.jit.script(module)
+        except Exception:
+            try:
+                with torch.no_grad():
+                    scripted = torch.jit.trace(module, inputs.args, check_trace=False)
+            except Exception as exc:  # say so in the report instead of failing the whole run
+                return f"{type(exc).__name__}: {exc}"
     torch.jit.save(scripted, str(path))
     return None
+
+
+_TORCHSCRIPT_NOISE = (
+    r".*The TorchScript type system doesn't support instance-level annotations on empty non-base types",
+    r".*Converting a tensor to a Python boolean might cause the trace to be incorrect",
+)
 
 
 def write_torchscript(int8: nn.Module, example: Inputs, path: Path) -> None:
