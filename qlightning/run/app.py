@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import DictConfig, OmegaConf
 
