@@ -1,10 +1,13 @@
 """The README is tested: every fenced code block runs as written, in README order, in one fresh folder.
 
 A Python block runs as a script; a bash block runs command by command (continuation lines joined,
-comments dropped). The only edits are ``outputs/<date>/<time>`` replaced by the folder of the latest
-run and ``trainer.enable_progress_bar=false`` added to ``qlightning train``, for readable logs. Commands
-that cannot run on one machine are listed in :data:`NOT_RUN` with what checks them instead; a block
-that is neither run nor listed fails :func:`test_every_block_is_run_or_accounted_for`.
+comments dropped), each command one test. Edits: ``outputs/<date>/<time>`` becomes the folder of the
+latest run, and ``qlightning train`` gets :data:`SHORT` (5 training batches per epoch, 2 validation and
+test batches: every epoch milestone is still reached and every stage runs; the figures are other
+tests' business). A command run as written by another test is listed in :data:`COVERED` (a quick test
+checks that test still runs it); commands that cannot run on one machine are in :data:`NOT_RUN` with
+what checks them instead. A block that is neither run nor accounted for fails
+:func:`test_every_block_is_run_or_accounted_for`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ NOT_RUN = {
     "torchrun --nnodes 2": "needs two nodes with 8 GPUs (no cluster here)",
     "srun": "needs a SLURM cluster",
 }
+# command -> the test that runs it as written (with its arguments in its source)
+COVERED = {
+    "qlightning train": ("tests/test_cli.py", "test_default_job_trains_converts_and_reports", '"train", f"hydra.run.dir'),
+    "qlightning train recipe=digits_fast": ("tests/test_recipes_e2e.py", "test_shipped_recipe_runs_end_to_end", "SHIPPED"),
+    "HF_HUB_OFFLINE=1 qlightning train recipe=minilm_pt2e": ("tests/test_recipes_e2e.py", "test_shipped_recipe_runs_end_to_end", "SHIPPED"),
+    "qlightning train recipe=digits_fast loggers=[csv,tensorboard]": (
+        "tests/test_cli.py", "test_tensorboard_logger_gets_phase_scales_and_report", '"recipe=digits_fast", "loggers=[csv,tensorboard]"'),
+}
+SHORT = " trainer.limit_train_batches=5 trainer.limit_val_batches=2 trainer.limit_test_batches=2 trainer.enable_progress_bar=false"
 # non-code blocks (a file tree)
 NOT_CODE = ("conf/            Hydra config tree",)
 
@@ -74,6 +86,17 @@ def _not_run(command: str) -> str | None:
 
 BLOCKS = readme_blocks()
 RUNNABLE = [b for b in BLOCKS if b.lang == "python" or (b.lang == "bash" and any(not _not_run(c) for c in commands(b)))]
+# (block, command) in README order; a Python block is one "command"
+STEPS = [
+    (b, c) for b in RUNNABLE for c in ([b.text] if b.lang == "python" else commands(b))
+    if b.lang == "python" or not (_not_run(c) or c in COVERED)
+]
+
+
+def _step_id(block: Block, command: str) -> str:
+    if block.lang == "python":
+        return block.id
+    return f"L{block.line}-{re.sub(r'[^A-Za-z0-9_.=-]+', '_', command)[:60]}"
 
 
 def test_every_block_is_run_or_accounted_for():
@@ -85,6 +108,18 @@ def test_every_block_is_run_or_accounted_for():
         else:
             assert block.text.startswith(NOT_CODE), f"README line {block.line}: a {block.lang or 'plain'} block nobody runs"
     assert len(RUNNABLE) >= 6  # Python API, restore, PTQ, command line, qconfig, doctor, PT2E
+    documented = {c for b in RUNNABLE if b.lang == "bash" for c in commands(b)}
+    assert set(COVERED) <= documented, f"COVERED names commands the README no longer has: {set(COVERED) - documented}"
+
+
+@pytest.mark.parametrize("command", sorted(COVERED))
+def test_covered_commands_are_run_by_the_named_test(command):
+    path, name, fragment = COVERED[command]
+    source = (ROOT / path).read_text()
+    assert f"def {name}(" in source, f"{command!r}: {path}::{name} is gone"
+    body = source[source.index(f"def {name}("):]
+    body = body[: body.find("\ndef ", 1) if "\ndef " in body[1:] else len(body)]
+    assert fragment in body, f"{path}::{name} no longer runs {command!r}"
 
 
 def test_commands_are_parsed_as_a_shell_would():
@@ -105,8 +140,8 @@ def _env() -> dict[str, str]:
 def _latest_run(folder: Path) -> str:
     runs = sorted(p.parent for p in folder.glob("outputs/*/*/checkpoints/last.ckpt"))
     if not runs:  # a block run alone (-k): make the run the README's earlier blocks would have made
-        out = subprocess.run([sys.executable, "-m", "qlightning.cli", "train", "recipe=digits_fast",
-                              "trainer.enable_progress_bar=false"], cwd=folder, env=_env(), capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "qlightning.cli", "train", "recipe=digits_fast", *SHORT.split()],
+                             cwd=folder, env=_env(), capture_output=True,
                              text=True, timeout=900)
         assert out.returncode == 0, out.stderr[-3000:]
         runs = sorted(p.parent for p in folder.glob("outputs/*/*/checkpoints/last.ckpt"))
@@ -123,23 +158,21 @@ def _run(command: list[str] | str, folder: Path, label: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
-def test_readme_block_runs_as_written(block: Block, folder: Path):
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("block, command", STEPS, ids=[_step_id(b, c) for b, c in STEPS])
+def test_readme_command_runs_as_written(block: Block, command: str, folder: Path):
     if block.lang == "python":
-        code = block.text
-        if "outputs" in code:
+        if "outputs" in command:
             _latest_run(folder)
-        _run([sys.executable, "-c", code], folder, f"README line {block.line} (python)")
+        _run([sys.executable, "-c", command], folder, f"README line {block.line} (python)")
         return
-    for command in commands(block):
-        if _not_run(command):
-            continue
-        if "<date>/<time>" in command:
-            command = command.replace("outputs/<date>/<time>", _latest_run(folder))
-        if re.search(r"(^|\s)qlightning train(\s|$)", command) and "-m" not in command.split():
-            command += " trainer.enable_progress_bar=false"
-        text = _run(command, folder, f"README line {block.line}: {command}")
-        if " train" in command and "qlightning" in command:
-            assert "run folder: " in text, text[-2000:]
-            if "minilm" not in command:  # the digits jobs have nothing to warn about: no library noise either
-                assert "Warning" not in text and "Tip:" not in text, text[-3000:]
+    if "<date>/<time>" in command:
+        command = command.replace("outputs/<date>/<time>", _latest_run(folder))
+    train = re.search(r"(^|\s)qlightning train(\s|$)", command) is not None
+    if train:
+        command += SHORT
+    text = _run(command, folder, f"README line {block.line}: {command}")
+    if train:
+        assert "run folder: " in text, text[-2000:]
+        if "minilm" not in command:  # the digits jobs have nothing to warn about: no library noise either
+            assert "Warning" not in text and "Tip:" not in text, text[-3000:]
