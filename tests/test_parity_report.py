@@ -290,7 +290,7 @@ def test_latency_is_one_measurement_shown_alike(full_report):
     assert full_report["latency_ms"] == {"fp32": detail["fp32"]["32"], "int8": detail["int8"]["32"]}
     text = to_markdown(full_report)
     ratio = detail["fp32"]["32"] / detail["int8"]["32"]
-    assert f"{ratio:.2f}x faster at batch 32" in text
+    assert (f"{ratio:.2f}x faster at batch 32" if ratio >= 1 else f"{1 / ratio:.2f}x slower at batch 32") in text
     assert f"{detail['int8']['32']:.3f}" in text.split("## Size on disk and latency")[1]
 
 
@@ -320,3 +320,17 @@ def test_report_command_is_read_only_unless_write(full_report, tmp_path, capsys)
     assert main(["report", str(run), "--write"]) == 0
     assert (run / "report.md").read_text().startswith("# qlightning report")
     assert json.loads((run / "report.json").read_text())["plots"]  # the plots it made are listed
+
+
+def test_sweep_table_names_the_float_snapshot(tmp_path):
+    from qlightning.cli.sweep import comparison_table
+
+    report = {
+        "labels": {"fp32": "float snapshot (at fake-quant start, step 20)"},
+        "metrics": {"fp32": {"accuracy": 0.46}, "int8": {"accuracy": 0.99}},
+        "size_bytes": {"fp32": 4096, "int8": 1024}, "latency_ms": {"int8": 1.0},
+    }
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "report.json").write_text(json.dumps(report))
+    table = comparison_table(tmp_path)
+    assert "| float snapshot accuracy |" in table and "fp32" not in table and "| nan |" in table

@@ -207,8 +207,10 @@ def headline(report: dict[str, Any]) -> str:
     if size.get("fp32") and size.get("int8"):
         parts.append(f"{size['fp32'] / size['int8']:.2f}x smaller (state dict)")
     if lat.get("fp32") and lat.get("int8"):
+        ratio = lat["fp32"] / lat["int8"]
+        speed = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
         parts.append(
-            f"{lat['fp32'] / lat['int8']:.2f}x faster at batch {report['latency_batch_size']}, "
+            f"{speed} at batch {report['latency_batch_size']}, "
             f"{report['latency_threads']} thread(s) (medians of one interleaved measurement, the same numbers as "
             "the latency table below)"
         )
