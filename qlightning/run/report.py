@@ -387,12 +387,13 @@ def markdown_sections(report: dict[str, Any]) -> str:
                 f"| {c['module']} | {label(report, c['candidate'])} | {label(report, c['reference'])} | {_fmt(c.get('sqnr_db'))} | "
                 f"{_fmt(c.get('top1_agreement'), '.4f')} | {'yes' if c.get('gated') else 'no'} | {result} |"
             )
+        drift = any(c["candidate"] == "trained_float" for c in parity["checks"])
         lines += [
             "",
             "int8_reference = the same quantized graph simulated in float (decomposed reference model): int8 against "
-            "it checks conversion and lowering; each artifact is checked against int8. The other rows are information: "
-            "against the float QAT-trained weights, what quantization costs; the trained weights against the float "
-            "snapshot, how far training moved them (drift, not a quantization error).",
+            "it checks conversion and lowering; each artifact is checked against int8. The other rows are information"
+            + (": against the float QAT-trained weights, what quantization costs; the trained weights against the "
+               "float snapshot, how far training moved them (drift, not a quantization error)." if drift else "."),
         ]
     layers = report.get("layers") or []
     if layers:
