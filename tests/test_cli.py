@@ -34,7 +34,7 @@ def test_default_job_trains_converts_and_reports(tmp_path):
     assert (run / "report.md").read_text().startswith("# qlightning report")
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert (run / "int8_net.pt").is_file()
-    assert "int8" in out.stdout and "fake_quant" in out.stdout  # the printed table
+    assert "int8" in out.stdout and "fake-quant" in out.stdout and "float snapshot" in out.stdout  # the printed table (labels)
 
 
 def test_int8_model_file_loads_without_qlightning(tmp_path):

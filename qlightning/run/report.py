@@ -39,7 +39,7 @@ WORST_LAYERS_RULE = (
     f"the up to {WORST_LAYERS_MAX} layers with the lowest int8-vs-float SQNR (same weights) that are below "
     f"{WORST_LAYERS_BELOW_DB:g} dB"
 )
-#: a share of clipped activations above this is flagged in report.md
+#: a share of clipped weights or activations above this is flagged (bold) in report.md
 CLIPPED_HIGH = 0.05
 
 
