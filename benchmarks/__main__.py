@@ -13,7 +13,11 @@ encoder, in one process per figure family, calls interleaved, medians of repeats
 * peak RSS growth of one train step and bytes saved for backward, QAT / float (fresh processes);
 * FX prepare + convert time for 10 / 50 / 200 conv-bn-relu blocks and the first prepare in a fresh process.
 
-Writes ``benchmarks/results/latest.md`` and ``latest.json`` (``--out`` to change) and prints the table.
+Writes a new ``benchmarks/results/<full|quick>-<UTC time>.{md,json}`` and prints the table: a run never
+replaces a committed results file unless asked (``--out PATH`` to choose the path, ``--overwrite`` to
+replace an existing one; ``--overwrite`` alone replaces ``latest`` or, with ``--quick``, ``quick``).
+``readme`` prints the README's benchmarks table generated from ``results/latest.json`` (``--write``:
+into README.md).
 Timings use the calling thread's CPU clock by default (``--clock cpu``; 1 thread): on a shared machine
 it leaves out time spent preempted. Re-run on an idle machine for publishable numbers.
 
@@ -21,6 +25,8 @@ Examples::
 
     python -m benchmarks --quick                 # smoke run, < ~3 min on 2 cores
     python -m benchmarks --threads 1             # the full table (~15-25 min on 2 cores)
+    python -m benchmarks --threads 1 --overwrite # ... replacing results/latest.{md,json}
+    python -m benchmarks readme --write          # README's table from results/latest.json
     python -m benchmarks scaling --blocks 10,50,200,400
     python -m benchmarks profile --model resnet18_like --variant torch.ao
     python -m benchmarks equivalence             # fast path vs torch.ao after a few steps
@@ -315,7 +321,7 @@ def run_options(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy", "options"))
+    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy", "options", "readme"))
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--repeats", type=int, default=0, help="repeats per timing (default: per model and mode)")
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer candidates (< ~3 min on 2 cores)")
@@ -323,7 +329,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="", help=f"comma-separated subset of {','.join(MODEL_NAMES)}")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
-    parser.add_argument("--out", default=str(RESULTS / "latest"), help="results path without extension")
+    parser.add_argument("--out", "--output", dest="out", default=None,
+                        help="results path without extension (default: a new results/<full|quick>-<UTC time>)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing results file (alone: results/latest, or results/quick with --quick)")
+    # readme
+    parser.add_argument("--results", default=None, help="readme: the results JSON (default: results/latest.json)")
+    parser.add_argument("--write", action="store_true", help="readme: put the table into README.md")
     # scaling
     parser.add_argument("--blocks", default="10,50,200")
     parser.add_argument("--engines", default="fx")
@@ -348,19 +360,50 @@ def main(argv: list[str] | None = None) -> None:
         return run_equivalence(args)
     if args.command == "options":
         return run_options(args)
+    if args.command == "readme":
+        from benchmarks import readme
+
+        readme.main(Path(args.results) if args.results else readme.RESULTS_FILE, write=args.write)
+        return None
     if args.command == "accuracy":
         from benchmarks import suites
 
         print(json.dumps(suites.digits_accuracy(), indent=2))
         return None
+    out = output_path(args)  # before measuring: a refused path costs nothing
     results = run_table(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     table = render(results)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=str))
-    out.with_suffix(".md").write_text(table)
+    write_results(results, table, out, args.overwrite)
     print(table)
     _log(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+
+
+def output_path(args: argparse.Namespace, now: float | None = None) -> Path:
+    """Where the table's results go, without extension; refuses an existing file unless ``--overwrite``.
+
+    Default: a new ``results/<full|quick>-<UTC time>`` (the committed files are never replaced by accident).
+    """
+    if args.out:
+        out = Path(args.out)
+    elif args.overwrite:
+        out = RESULTS / ("quick" if args.quick else "latest")
+    else:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+        out = RESULTS / f"{'quick' if args.quick else 'full'}-{stamp}"
+    existing = [p for p in (out.with_suffix(".md"), out.with_suffix(".json")) if p.exists()]
+    if existing and not args.overwrite:
+        raise SystemExit(f"python -m benchmarks: {existing[0]} exists; pass --overwrite to replace it, or --out PATH")
+    return out
+
+
+def write_results(results: dict[str, Any], table: str, out: Path, overwrite: bool) -> None:
+    """Write ``<out>.json`` and ``<out>.md``; an existing file is replaced only with ``overwrite``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mode = "w" if overwrite else "x"  # "x": never replace a file that appeared while measuring
+    with open(out.with_suffix(".json"), mode) as fh:
+        fh.write(json.dumps(results, indent=2, default=str))
+    with open(out.with_suffix(".md"), mode) as fh:
+        fh.write(table)
 
 
 if __name__ == "__main__":

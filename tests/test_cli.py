@@ -34,13 +34,14 @@ def test_default_job_trains_converts_and_reports(tmp_path):
     assert (run / "report.md").read_text().startswith("# qlightning report")
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert (run / "int8_net.pt").is_file()
-    assert "int8" in out.stdout and "fake_quant" in out.stdout  # the printed table
+    assert "int8" in out.stdout and "fake-quant" in out.stdout and "float snapshot" in out.stdout  # the printed table (labels)
     # the last screen says where the run is, whether the gates passed, and int8 vs float
     tail = out.stdout[out.stdout.index("qlightning · fx · x86"):]
     assert f"run folder: {run}" in tail
     assert "fidelity gate net (int8 vs fake-quant): passed" in tail
     assert "parity gate (exports vs int8): passed" in tail
-    assert f"int8 accuracy {metrics['int8']['accuracy']:.4f} vs fp32" in tail
+    assert f"int8 accuracy {metrics['int8']['accuracy']:.4f} · fake-quant {metrics['fake_quant']['accuracy']:.4f}" in tail
+    assert f"float snapshot (at fake-quant start, step 60) {metrics['fp32']['accuracy']:.4f}" in tail
     # nothing but the run's own lines: no Lightning tips, no library warnings (stderr included)
     assert "Tip:" not in out.stdout + out.stderr
     assert "Warning" not in out.stdout + out.stderr and "deprecated" not in out.stdout + out.stderr, out.stderr[-2000:]

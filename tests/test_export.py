@@ -166,10 +166,10 @@ def test_export_and_report_commands(run_dir, tmp_path):
     exported = json.loads((tmp_path / "exp" / "report.json").read_text())
     assert exported["parity"]["passed"] and set(exported["exports"]["net"]) == {"onnx", "pt2"}
 
-    # `qlightning report` renders report.md and the plots again from report.json (and the CSV log)
+    # `qlightning report --write` renders report.md and the plots again from report.json (and the CSV log)
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("*.ckpt", "plots", "report.md"))
-    again = qlightning("report", str(copy), cwd=tmp_path)
+    again = qlightning("report", str(copy), "--write", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     text = (copy / "report.md").read_text()
     assert text.startswith("# qlightning report")

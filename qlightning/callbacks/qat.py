@@ -519,7 +519,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
             )
             self.phase = phase
         if phase.fake_quant and self.float_snapshot is None and self.keep_float_snapshot:
-            self.session.take_float_snapshot(pl_module)
+            self.session.take_float_snapshot(pl_module, step=trainer.global_step)
             if self.ptq_batches and not self.ptq_modules:
                 self._run_ptq_baseline(trainer, pl_module)  # before fake-quant is applied: float weights
         if trainer.loggers:
@@ -851,6 +851,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
                 "phase": None if self.phase is None else vars(self.phase).copy(),
                 "provenance": self.provenance,
                 "float_snapshot": self.float_snapshot,
+                "float_snapshot_step": self.session.float_snapshot_step,
                 "inputs": self.inputs,
                 "fake_quant_state": fake_quant,
                 "keep_fake_quant": self.keep_fake_quant and self.converted,
@@ -876,6 +877,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         self.phase = Phase(**data["phase"]) if data["phase"] else None
         self.provenance = data["provenance"]
         self.float_snapshot = data["float_snapshot"]
+        self.session.float_snapshot_step = data.get("float_snapshot_step")
         for name in self.targets:
             try:
                 float_module = pl_module.get_submodule(name)
@@ -939,6 +941,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
             "phase": None if self.phase is None else vars(self.phase).copy(),
             "provenance": self.provenance,
             "float_snapshot": self.float_snapshot,
+            "float_snapshot_step": self.session.float_snapshot_step,
             "schedule": {k: (None if m is None else {"epoch": m.epoch, "step": m.step})
                          for k, m in vars(self.schedule).items()},
         }
@@ -958,6 +961,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         self.phase = Phase(**phase) if phase else None
         self.provenance = self.provenance or dict(state_dict.get("provenance") or {})
         self.float_snapshot = state_dict.get("float_snapshot")
+        self.session.float_snapshot_step = state_dict.get("float_snapshot_step")
 
 
 #: key of the QAT results in the extra results Lightning's multiprocessing launcher returns

@@ -16,7 +16,7 @@ commands:
                            which submodules FX can trace, why the others cannot, the route and config for each
   export CHECKPOINT [--formats torchscript,onnx,pt2] [--out DIR]
                            write the int8 model of a checkpoint (TorchScript, ONNX QDQ, .pt2) and check parity
-  report RUN_DIR           render report.md and the PNG plots of a run again from its report.json
+  report RUN_DIR [--write] show the report of a run (read-only); --write renders report.md and the plots again
 
 options:
   --debug                  show the Python traceback of an unexpected error (or set HYDRA_FULL_ERROR=1)

@@ -1,4 +1,9 @@
-"""`qlightning report RUN_DIR`: render report.md and the PNG plots again from report.json."""
+"""`qlightning report RUN_DIR`: show a run's report; with ``--write``, render report.md and the plots again.
+
+Read-only by default: nothing in the run directory changes (report.json, report.md and the plots keep
+their bytes and times). ``--write`` renders ``report.md`` and ``plots/*.png`` from ``report.json`` and
+updates report.json's ``plots`` entry only when the set of plots changed.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +14,23 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
+def _is_run_report(report: dict[str, Any]) -> bool:
+    return "metrics" in report and "size_bytes" in report and "latency_ms" in report
+
+
 def render(run_dir: Path) -> dict[str, Any]:
-    """Rewrite ``report.md`` and ``plots/*.png`` of a run directory from its ``report.json``; returns the report."""
+    """Rewrite ``report.md`` and ``plots/*.png`` of a run directory from its ``report.json``; returns the report.
+
+    ``report.json`` itself is rewritten only when the plots made differ from the ones it lists.
+    """
     from qlightning.run import plots
-    from qlightning.run.report import SECTION_MARK, markdown_sections
+    from qlightning.run.report import SECTION_MARK, markdown_sections, to_markdown
 
     path = run_dir / "report.json"
     report = json.loads(path.read_text())
+    listed = report.get("plots")
     report["plots"] = plots.render(report, run_dir)
-    if "metrics" in report and "size_bytes" in report and "latency_ms" in report:
-        from qlightning.run.report import to_markdown
-
+    if _is_run_report(report):
         text = to_markdown(report)
         if SECTION_MARK not in text:
             text += markdown_sections(report)
@@ -27,26 +38,30 @@ def render(run_dir: Path) -> dict[str, Any]:
         title = f"# qlightning export of {report['checkpoint']}" if "checkpoint" in report else "# qlightning report"
         text = title + "\n" + markdown_sections(report)
     (run_dir / "report.md").write_text(text)
-    path.write_text(json.dumps(report, indent=2, sort_keys=True))
+    if report["plots"] != listed:
+        path.write_text(json.dumps(report, indent=2, sort_keys=True))
     return report
 
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="qlightning report", description="Render report.md and the PNG plots of a run directory again from its report.json."
+        prog="qlightning report",
+        description="Show the report of a run directory (read-only); --write renders report.md and the PNG plots again.",
     )
     parser.add_argument("run_dir", help="a run directory (outputs/<date>/<time>) or a `qlightning export` directory")
+    parser.add_argument("--write", action="store_true",
+                        help="render report.md and plots/*.png again from report.json (default: change nothing)")
     args = parser.parse_args(list(argv))
     run_dir = Path(args.run_dir)
     if not (run_dir / "report.json").is_file():
         print(f"qlightning report: no report.json in {run_dir}", file=sys.stderr)
         return 2
     try:
-        report = render(run_dir)
+        report = render(run_dir) if args.write else json.loads((run_dir / "report.json").read_text())
     except (ValueError, KeyError, TypeError) as exc:
         print(f"qlightning report: could not render {run_dir / 'report.json'}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    if "metrics" in report and "size_bytes" in report and "latency_ms" in report:
+    if _is_run_report(report):
         from qlightning.run.report import print_table
 
         print_table(report)
@@ -54,7 +69,10 @@ def main(argv: Sequence[str]) -> int:
     if parity.get("checks"):
         print(f"parity: {'passed' if parity.get('passed') else 'FAILED'} ({len(parity['checks'])} checks)")
     if report.get("worst_layers"):
-        print("worst layers (int8 vs fp32): " + ", ".join(report["worst_layers"]))
+        print("worst layers (int8 vs its own weights in float): " + ", ".join(report["worst_layers"]))
+    if not args.write:
+        print(f"read {run_dir / 'report.json'} (nothing written; --write renders report.md and the plots again)")
+        return 0
     print(f"wrote {run_dir / 'report.md'}")
     for name, rel in report.get("plots", {}).items():
         print(f"wrote {run_dir / rel}  ({name})")

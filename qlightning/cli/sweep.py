@@ -11,7 +11,10 @@ from omegaconf import DictConfig
 
 
 def comparison_table(sweep_dir: Path) -> str:
-    """Markdown table of every run's overrides, int8/fake-quant/fp32 metrics, size and latency."""
+    """Markdown table of every run's overrides, int8 and float-snapshot metrics, size and latency.
+
+    The ``fp32`` metrics of a QAT run are the float snapshot at fake-quant start, not a float baseline.
+    """
     rows = []
     for report_path in sorted(sweep_dir.glob("*/report.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
         report = json.loads(report_path.read_text())
@@ -21,13 +24,17 @@ def comparison_table(sweep_dir: Path) -> str:
     if not rows:
         return "no run wrote a report\n"
     metrics = sorted({k for _, _, r in rows for k in r["metrics"].get("int8", {})})
-    head = ["run", "overrides"] + [f"int8 {m}" for m in metrics] + [f"fp32 {m}" for m in metrics] + ["int8 KiB", "int8 ms", "fp32 ms"]
+    # what the fp32 row is ("float snapshot" for QAT, "float" for PTQ), without its step (runs differ)
+    fp32_name = (rows[0][2].get("labels") or {}).get("fp32", "fp32").split(" (")[0]
+    head = ["run", "overrides"] + [f"int8 {m}" for m in metrics] + [f"{fp32_name} {m}" for m in metrics] + ["int8 KiB", "int8 ms", "float ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, overrides, r in rows:
         cells = [name, overrides.replace("- ", "").replace("|", "\\|")]
         cells += [f"{r['metrics'].get('int8', {}).get(m, float('nan')):.4f}" for m in metrics]
         cells += [f"{r['metrics'].get('fp32', {}).get(m, float('nan')):.4f}" for m in metrics]
-        cells += [f"{r['size_bytes']['int8'] / 1024:.1f}", f"{r['latency_ms']['int8']:.3f}", f"{r['latency_ms']['fp32']:.3f}"]
+        latency = r.get("latency_ms") or {}
+        cells += [f"{r['size_bytes']['int8'] / 1024:.1f}", f"{latency.get('int8', float('nan')):.3f}",
+                  f"{latency.get('fp32', float('nan')):.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -188,8 +188,8 @@ def per_layer_sqnr(
     versions: dict[str, Optional[nn.Module]],
     batches: Sequence[tuple[Any, ...]],
     pairs: Sequence[tuple[str, str, str]] = (
-        ("fake_quant_sqnr_db", "fake_quant", "fp32"),
-        ("int8_sqnr_db", "int8", "fp32"),
+        ("fake_quant_vs_float_sqnr_db", "fake_quant", "float"),
+        ("int8_vs_float_sqnr_db", "int8", "float"),
         ("conversion_sqnr_db", "int8", "reference"),
     ),
 ) -> list[dict[str, Any]]:
@@ -226,7 +226,7 @@ def per_layer_sqnr(
     return table
 
 
-def worst_layers(layers: Sequence[dict[str, Any]], column: str = "int8_sqnr_db", count: int = 5) -> list[str]:
+def worst_layers(layers: Sequence[dict[str, Any]], column: str = "int8_vs_float_sqnr_db", count: int = 5) -> list[str]:
     """The ``count`` layers with the lowest SQNR in ``column``."""
     rows = [(row[column], row["layer"]) for row in layers if row.get(column) is not None]
     return [name for _, name in sorted(rows)[:count]]

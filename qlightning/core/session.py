@@ -109,6 +109,8 @@ class QuantSession:
         self.float_refs: dict[str, nn.Module] = {}
         #: ``{name: state_dict}`` of the prepared modules when fake-quant first turned on
         self.float_snapshot: Optional[dict[str, dict[str, torch.Tensor]]] = None
+        #: the global step :attr:`float_snapshot` was taken at (``None``: not known, e.g. an older checkpoint)
+        self.float_snapshot_step: Optional[int] = None
         #: float copies kept by a PTQ run (its fp32 baseline)
         self.float_modules: dict[str, nn.Module] = {}
         self.fake_quant_modules: dict[str, nn.Module] = {}
@@ -173,8 +175,14 @@ class QuantSession:
         for module in self.modules(root).values():
             self.engine.set_observers(module, enabled)
 
-    def take_float_snapshot(self, root: nn.Module) -> None:
-        """Keep the current weights of every target: the float model the fake-quant phase starts from."""
+    def take_float_snapshot(self, root: nn.Module, step: Optional[int] = None) -> None:
+        """Keep the current weights of every target: the float model the fake-quant phase starts from.
+
+        Args:
+            root: the model holding the prepared targets.
+            step: the global step it is taken at (the report names it).
+        """
+        self.float_snapshot_step = step
         self.float_snapshot = {
             name: {k: v.detach().clone() for k, v in module.state_dict().items()} for name, module in self.modules(root).items()
         }
@@ -288,24 +296,31 @@ class QuantSession:
     # ------------------------------------------------------------------ variants
 
     def variants(self, root: nn.Module) -> dict[str, dict[str, nn.Module]]:
-        """The fp32, (ptq,) fake-quant and int8 versions of every target, as the report compares them.
+        """The fp32, (trained_float,) (ptq,) fake-quant and int8 versions of every target, as the report compares them.
 
         ``fp32`` is the float copy a PTQ run kept, or (QAT) the fake-quant copy with the weights of
-        :attr:`float_snapshot` and quantization switched off.
+        :attr:`float_snapshot` and quantization switched off. ``trained_float`` (QAT with a snapshot
+        only) is the fake-quant copy with quantization switched off: the QAT-trained weights computed
+        in float, the reference that separates quantization error (same weights) from training drift.
         """
         int8 = {n: root.get_submodule(n) for n in self.targets}
         if self.kind == "ptq":
             return {"fp32": {n: self.float_modules[n] for n in self.targets}, "int8": int8}
         fake = {name: self.fake_quant_modules[name] for name in self.targets}
-        fp32 = {}
+        float_off = Phase(fake_quant=False, observe=False, bn_frozen=True)
+        fp32, trained = {}, {}
         for name, module in fake.items():
             fp32[name] = copy.deepcopy(module).eval()
             if self.float_snapshot is not None:
+                trained[name] = copy.deepcopy(module).eval()
+                self.engine.set_phase(trained[name], float_off)
                 fp32[name].load_state_dict(self.float_snapshot[name])
-            self.engine.set_phase(fp32[name], Phase(fake_quant=False, observe=False, bn_frozen=True))
+            self.engine.set_phase(fp32[name], float_off)
         for module in fake.values():
             self.engine.set_observers(module, False)
         out = {"fp32": fp32}
+        if trained:
+            out["trained_float"] = trained
         if self.targets and all(name in self.ptq_modules for name in self.targets):
             out["ptq"] = {name: self.ptq_modules[name] for name in self.targets}
         out.update({"fake_quant": fake, "int8": int8})
@@ -317,5 +332,6 @@ class QuantSession:
         if self.kind == "ptq":
             return "the float model before conversion"
         if self.float_snapshot is not None:
-            return "the float weights at fake-quant start"
+            step = "" if self.float_snapshot_step is None else f", step {self.float_snapshot_step}"
+            return f"float snapshot at fake-quant start{step} (not a float baseline: the weights before QAT training)"
         return "the final weights with quantization switched off"

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from qlightning.core.inputs import Inputs, positional_args, slice_rows, source_of, tile
-from qlightning.core.metrics import median_latency_ms
+from qlightning.core.metrics import median_ms
 from qlightning.core.session import session_of
 from qlightning.run import export as exporting
 from qlightning.run import parity as parity_mod
@@ -41,10 +41,6 @@ def _eval_trainer_factory() -> Callable[[int], Any]:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-def _latency(fn: Callable[..., Any], args: tuple[Any, ...], repeats: int) -> float:
-    return round(median_latency_ms(fn, Inputs(args), repeats), 4)
 
 
 def _write_report(report: dict[str, Any], run_dir: Path) -> None:
@@ -95,7 +91,7 @@ def export_and_check(
         }
     versions.setdefault("fake_quant", {n: None for n in targets})  # PostTrainingQuantization keeps none
     factory = trainer_factory or _eval_trainer_factory()
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"labels": reporting.variant_labels(session, versions)}
     timings: dict[str, float] = {}
 
     # held-out inputs of every quantized submodule
@@ -166,8 +162,11 @@ def export_and_check(
     for name in targets:
         int8 = versions["int8"][name]
         batches = [positional_args(int8, inp) for inp in heldout[name]]
+        # the quantized weights run in float: the reference of quantization error (drift kept apart)
+        same_weights = versions.get("trained_float", versions["fp32"])[name]
         candidates: dict[str, Optional[nn.Module | Callable[..., Any]]] = {
             "fp32": versions["fp32"][name],
+            "trained_float": versions.get("trained_float", {}).get(name),
             "fake_quant": versions.get("fake_quant", {}).get(name),
             "int8": int8,
             "int8_reference": references.get(name),
@@ -186,11 +185,14 @@ def export_and_check(
                 outputs[key] = parity_mod.run_batches(fn, batches)
             except Exception as exc:
                 outputs[key], errors[key] = None, f"{type(exc).__name__}: {str(exc)[:500]}"
+        float_key = "trained_float" if "trained_float" in versions else "fp32"
         pairs: list[tuple[str, str, bool]] = [
-            ("fake_quant", "fp32", False),
-            ("int8", "fp32", False),
+            ("fake_quant", float_key, False),
+            ("int8", float_key, False),
             ("int8", "fake_quant", False),
         ]
+        if float_key == "trained_float":  # training drift: the trained float weights against the snapshot
+            pairs.append(("trained_float", "fp32", False))
         if has_fake_quant:  # the float-simulated reference is built from the fake-quant model
             pairs.append(("int8", "int8_reference", True))
         pairs += [(fmt, "int8", True) for fmt in formats]
@@ -199,14 +201,24 @@ def export_and_check(
         if report_cfg.get("enabled") or parity_cfg.get("enabled"):  # the gate's message names the worst layers
             layer_batches = batches[: max(1, int(parity_cfg.get("layer_batches", 2)))]
             graph_versions = {
-                "fp32": versions["fp32"][name],
+                "snapshot": versions["fp32"][name],
+                "float": same_weights,
                 "fake_quant": versions.get("fake_quant", {}).get(name),
                 "int8": source_of(int8),  # per-layer values need the graph, not a runtime wrapper
                 "reference": references.get(name),
             }
+            layer_pairs = [  # quantization: against the same weights in float; drift: float against float
+                ("fake_quant_vs_float_sqnr_db", "fake_quant", "float"),
+                ("int8_vs_float_sqnr_db", "int8", "float"),
+                ("conversion_sqnr_db", "int8", "reference"),
+            ]
+            if float_key == "trained_float":
+                layer_pairs.insert(0, ("drift_sqnr_db", "float", "snapshot"))
             try:
-                layers.extend(parity_mod.per_layer_sqnr(name, graph_versions, layer_batches))
-                ranges["activations"] += parity_mod.activation_ranges(name, versions.get("fake_quant", {}).get(name), layer_batches)
+                layers.extend(parity_mod.per_layer_sqnr(name, graph_versions, layer_batches, layer_pairs))
+                ranges["activations"] += parity_mod.activation_ranges(
+                    name, versions.get("fake_quant", {}).get(name), layer_batches, same_weights
+                )
                 ranges["weights"] += parity_mod.weight_ranges(name, source_of(int8))
             except Exception as exc:
                 warnings.warn(f"qlightning report: per-layer analysis of {name} failed: {exc}", stacklevel=2)
@@ -225,7 +237,8 @@ def export_and_check(
     }
     if report_cfg.get("enabled") or parity_cfg.get("enabled"):
         extra["layers"] = layers
-        extra["worst_layers"] = parity_mod.worst_layers(layers, "int8_sqnr_db", 5)
+        extra["worst_layers"] = reporting.flag_worst_layers(layers)
+        extra["worst_layers_rule"] = reporting.WORST_LAYERS_RULE
         extra["ranges"] = ranges
     if report_cfg.get("enabled"):
 
@@ -246,16 +259,23 @@ def export_and_check(
                     sizes[name] = {"fp32": state_dict_bytes(fp32, skip=skip), **sizes[name]}
                 sizes[name].update({a.format: a.size_bytes for a in artifacts[name] if a.size_bytes is not None})
                 base = positional_args(versions["int8"][name], heldout[name][0])
-                runners = {"fp32": fp32, "int8": versions["int8"][name], **loaded[name]}
+                runners = {"fp32": fp32, "ptq": versions.get("ptq", {}).get(name), "int8": versions["int8"][name], **loaded[name]}
                 runners = {k: v for k, v in runners.items() if v is not None}
-                latency[name] = {}
-                for variant, fn in runners.items():
-                    latency[name][variant] = {}
-                    for batch in (1, batch_n):
+                latency[name] = {variant: {} for variant in runners}
+                for batch in (1, batch_n):
+                    args = tile(tuple(base), batch)
+                    usable = {}
+                    for variant, fn in runners.items():  # one untimed call first: a runner that fails is left out
                         try:
-                            latency[name][variant][str(batch)] = _latency(fn, tile(tuple(base), batch), repeats)
+                            with torch.inference_mode():
+                                fn(*args)
+                            usable[variant] = fn
                         except Exception as exc:
                             warnings.warn(f"qlightning report: latency of {name}:{variant} failed: {exc}", stacklevel=2)
+                    # one interleaved measurement of every variant: load changes hit them alike
+                    timed = median_ms({k: (lambda fn=fn, args=args: fn(*args)) for k, fn in usable.items()}, repeats)
+                    for variant, ms in timed.items():
+                        latency[name][variant][str(batch)] = round(ms, 4)
         finally:
             torch.set_num_threads(old_threads)
         extra["size_on_disk"] = sizes
@@ -264,8 +284,17 @@ def export_and_check(
             "threads": int(threads),
             "repeats": repeats,
             "ms": latency,
-            "note": "median wall time of one forward; ONNX runs in onnxruntime (CPU provider)",
+            "note": "median wall time of one forward, every model's calls interleaved in one measurement; "
+                    "ONNX runs in onnxruntime (CPU provider)",
         }
+        # the headline (report.md's first table, the console table) shows these same numbers
+        extra["latency_ms"] = {
+            variant: round(sum(latency[n][variant][str(batch_n)] for n in targets), 4)
+            for variant in ("fp32", "ptq", "int8")
+            if all(str(batch_n) in latency.get(n, {}).get(variant, {}) for n in targets)
+        }
+        extra["latency_batch_size"] = batch_n
+        extra["latency_threads"] = int(threads)
         timings["latency_s"] = time.perf_counter() - start
         try:
             extra["plots"] = plots.render(extra, out_dir)

@@ -8,8 +8,9 @@ Two measures, each between a candidate and a reference on the same inputs:
 
 Gated (thresholds ``parity.min_sqnr_db`` / ``parity.min_top1_agreement``): the int8 model against its
 reference, the same quantized graph simulated in float (a broken conversion, lowering or scale shows
-here), and each artifact against the int8 model. Reported only: fake-quant and int8 against fp32
-(what quantization costs) and int8 against fake-quant.
+here), and each artifact against the int8 model. Reported only: fake-quant and int8 against the same
+weights in float (what quantization costs), the trained float weights against the float snapshot at
+fake-quant start (training drift) and int8 against fake-quant.
 
 Per layer, the same SQNR is measured on the output of every module of the quantized graph
 (``torch.fx.Interpreter`` records each node; a layer's value is taken after the quantize/dequantize or
@@ -179,7 +180,8 @@ def breach_message(
             f"  first layer where int8 departs from its float-simulated reference (graph order): {first['layer']} "
             f"({first['conversion_sqnr_db']:.1f} dB)"
         )
-    for column, title in (("conversion_sqnr_db", "int8 vs its float-simulated reference"), ("int8_sqnr_db", "int8 vs fp32")):
+    for column, title in (("conversion_sqnr_db", "int8 vs its float-simulated reference"),
+                          ("int8_vs_float_sqnr_db", "int8 vs the same weights in float")):
         worst = worst_layers(layers, column, 5)
         value = {row["layer"]: row.get(column) for row in layers}
         if worst:
@@ -203,10 +205,26 @@ def _fq_range(m: Any) -> tuple[float, int, int, int, float, float]:
     return scale, zp, qmin, qmax, scale * (qmin - zp), scale * (qmax - zp)
 
 
-def activation_ranges(prefix: str, fake_quant: nn.Module, batches: Sequence[tuple[Any, ...]]) -> list[dict[str, Any]]:
-    """Per activation fake-quant of the QAT model (graph order): scale, zero point, representable range
-    and, on held-out data, the range of the values reaching it and the share of them outside the
-    fake-quant range (clipped by fake-quant) and outside the int8 dtype range (clipped by int8)."""
+def activation_ranges(
+    prefix: str, fake_quant: nn.Module, batches: Sequence[tuple[Any, ...]], float_model: Optional[nn.Module] = None
+) -> list[dict[str, Any]]:
+    """Per activation fake-quant of the QAT model (graph order): what it quantizes and how much it clips.
+
+    For each activation fake-quant: scale, zero point, representable range and, on held-out data
+    through the QAT model, the range of the values it quantizes and the share of them beyond its
+    range (``clipped_fake_quant``) and beyond the int8 dtype range (``clipped_int8``). The values
+    are taken *after* the op that feeds it, activation included: a fake-quant that applies a fused
+    ReLU itself (the FX fast path) is run with quantization off on its input, so ReLU's negatives,
+    which the activation removes anyway, do not count as clipped.
+
+    Args:
+        prefix: the quantized submodule's name (prefixes the layer names).
+        fake_quant: the fake-quant GraphModule (observers off).
+        batches: positional inputs of held-out batches.
+        float_model: the same module with quantization off (:meth:`QuantSession.variants`'s
+            ``trained_float``/``fp32``); its fake-quant modules give each value after the activation.
+            Without it the fake-quant's input is counted as is.
+    """
     if not isinstance(fake_quant, torch.fx.GraphModule):
         return []
     entries = []
@@ -224,29 +242,44 @@ def activation_ranges(prefix: str, fake_quant: nn.Module, batches: Sequence[tupl
             entries.append((node, source, label, m))
     if not entries:
         return []
+    passthrough: dict[str, Any] = {}  # the same fake-quant with quantization off: identity, or its fused ReLU
+    for node, _, _, _ in entries:
+        try:
+            passthrough[node.name] = float_model.get_submodule(str(node.target)) if float_model is not None else None
+        except AttributeError:
+            passthrough[node.name] = None
     keep = {source.name for _, source, _, _ in entries}
-    stats = {label: [math.inf, -math.inf, 0, 0, 0] for _, _, label, _ in entries}
+    stats = {node.name: [math.inf, -math.inf, 0, 0, 0, False] for node, _, _, _ in entries}
     for args in batches:
         values = record(fake_quant, args, keep)
-        for _, source, label, m in entries:
+        for node, source, label, m in entries:
             v = values.get(source.name)
             if v is None:
                 continue
+            after = passthrough.get(node.name)
+            if after is not None:
+                with torch.inference_mode():
+                    quantized_input = after(v)
+                if not torch.equal(quantized_input, v):
+                    stats[node.name][5] = True  # the fake-quant applies an activation (fused ReLU) first
+                v = quantized_input
             scale, zp, qmin, qmax, low, high = _fq_range(m)
             dtype = getattr(m, "dtype", torch.quint8)
             info = torch.iinfo(torch.uint8 if dtype in (torch.quint8, torch.uint8) else torch.int8)
-            s = stats[label]
+            s = stats[node.name]
             s[0], s[1] = min(s[0], float(v.min())), max(s[1], float(v.max()))
             s[2] += int(((v < low) | (v > high)).sum())
             s[3] += int(((v < scale * (info.min - zp)) | (v > scale * (info.max - zp))).sum())
             s[4] += v.numel()
     out = []
-    for _, _, label, m in entries:
+    for node, _, label, m in entries:
         scale, zp, qmin, qmax, low, high = _fq_range(m)
-        s = stats[label]
+        s = stats[node.name]
         out.append(
             {
                 "after": f"{prefix}.{label}" if prefix and not label.startswith("input ") else label,
+                "observer": f"{prefix}.{node.target}" if prefix else str(node.target),
+                "activation_applied": bool(s[5]),
                 "scale": scale,
                 "zero_point": zp,
                 "quant_min": qmin,
@@ -261,7 +294,11 @@ def activation_ranges(prefix: str, fake_quant: nn.Module, batches: Sequence[tupl
 
 
 def weight_ranges(prefix: str, int8: nn.Module) -> list[dict[str, Any]]:
-    """Per quantized weight of the int8 model (module order): shape, dtype, scheme, float range, scale range."""
+    """Per quantized weight of the int8 model (module order): shape, dtype, scheme, float range, scale range.
+
+    ``clipped`` is the share of weights at the ends of the integer range beyond the one per channel
+    (per tensor) that a range fitted to the weights puts there: weights the range clipped (e.g. a
+    moving-average observer that lagged while BatchNorm folding grew the weights)."""
     out = []
     for name, m in int8.named_modules():
         weight = getattr(m, "weight", None)
@@ -279,6 +316,11 @@ def weight_ranges(prefix: str, int8: nn.Module) -> list[dict[str, Any]]:
         else:
             scales, axis = torch.tensor([w.q_scale()]), None
         deq = w.dequantize()
+        ints = w.int_repr()
+        info = torch.iinfo(ints.dtype)
+        at_ends = int(((ints == info.min) | (ints == info.max)).sum())
+        # a range fitted to the weights puts about one value per channel at an end; the rest were clipped
+        expected = int(scales.numel())
         out.append({
             "layer": f"{prefix}.{name}" if prefix else name,
             "shape": list(w.shape),
@@ -291,5 +333,6 @@ def weight_ranges(prefix: str, int8: nn.Module) -> list[dict[str, Any]]:
             "scale_max": float(scales.max()),
             "int_repr_min": int(w.int_repr().min()),
             "int_repr_max": int(w.int_repr().max()),
+            "clipped": round(max(0, at_ends - expected) / max(1, ints.numel()), 6),
         })
     return out

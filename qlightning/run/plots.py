@@ -1,6 +1,8 @@
 """PNG plots of the report: per-layer SQNR bars, QAT scales/phases over steps, latency per artifact.
 
 matplotlib's object API with the Agg canvas only: no pyplot, no global backend switch, no display.
+Labels are module names and the report's variant labels (not observer names or report keys), every
+bar carries its value, and legends sit outside the axes (saved with a tight bounding box).
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ from typing import Any, Optional
 
 PLOTS_DIR = "plots"
 COLUMNS = {
-    "fake_quant_sqnr_db": "fake-quant vs fp32",
-    "int8_sqnr_db": "int8 vs fp32",
+    "int8_vs_float_sqnr_db": "quantization: int8 vs float, same weights",
+    "fake_quant_vs_float_sqnr_db": "quantization: fake-quant vs float, same weights",
+    "drift_sqnr_db": "drift (not quantization): trained float vs snapshot",
     "conversion_sqnr_db": "int8 vs float-simulated int8",
 }
+COLORS = {"int8_vs_float_sqnr_db": "#1f77b4", "fake_quant_vs_float_sqnr_db": "#7fb3de", "drift_sqnr_db": "#aaaaaa"}
 
 
 def _save(fig: Any, path: Path, contents: list[str]) -> Path:
     """Write a PNG whose text chunk ``Contents`` lists what it shows (layers, series), for tools and tests."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(str(path), format="png", metadata={"Software": "qlightning", "Contents": json.dumps(contents)})
+    fig.savefig(str(path), format="png", bbox_inches="tight",  # keeps the legends outside the axes in the image
+                metadata={"Software": "qlightning", "Contents": json.dumps(contents)})
     return path
 
 
@@ -34,43 +39,50 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
-def per_layer_sqnr(layers: list[dict[str, Any]], path: Path, worst: Optional[list[str]] = None) -> Optional[Path]:
-    """Grouped horizontal bars of float vs quantized SQNR, one group per layer (in graph order).
+def per_layer_sqnr(
+    layers: list[dict[str, Any]], path: Path, worst: Optional[list[str]] = None, rule: str = ""
+) -> Optional[Path]:
+    """Grouped horizontal bars per layer (graph order): quantization error against the same weights in
+    float, and training drift (trained float against the snapshot) apart from it.
 
     The conversion column (int8 vs its float simulation, ~50 dB up to the 200 dB cap) is left to the
-    table of report.md; here the bars show what quantization costs per layer.
+    table of report.md. Layers in ``worst`` (the report's flagged layers, by ``rule``) are in red.
     """
     if not layers:
         return None
     names = [row["layer"] for row in layers]
-    columns = [c for c in ("fake_quant_sqnr_db", "int8_sqnr_db") if any(row.get(c) is not None for row in layers)]
+    columns = [c for c in ("int8_vs_float_sqnr_db", "fake_quant_vs_float_sqnr_db", "drift_sqnr_db")
+               if any(row.get(c) is not None for row in layers)]
     if not columns:
         return None
-    worst = list(worst or [])[:5]
-    fig = _figure(9, max(3.0, 0.5 * len(names) + 1.5))
+    worst = list(worst or [])
+    fig = _figure(9, max(3.0, 0.6 * len(names) + 1.5))
     ax = fig.add_subplot(1, 1, 1)
     height = 0.8 / len(columns)
     for i, column in enumerate(columns):
         values = [row.get(column) for row in layers]
         ys = [j + (i - (len(columns) - 1) / 2) * height for j in range(len(names))]
-        bars = ax.barh(ys, [v if v is not None else 0.0 for v in values], height=height, label=COLUMNS[column])
+        bars = ax.barh(ys, [v if v is not None else 0.0 for v in values], height=height, label=COLUMNS[column],
+                       color=COLORS.get(column))
         for bar, v in zip(bars, values):
             if v is not None:
-                ax.annotate(f"{v:.1f}", (bar.get_width(), bar.get_y() + bar.get_height() / 2), xytext=(3, 0),
-                            textcoords="offset points", va="center", fontsize=7)
+                ax.annotate(f"{v:.1f}", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                            xytext=(3 if v >= 0 else -3, 0), textcoords="offset points", va="center",
+                            ha="left" if v >= 0 else "right", fontsize=7)
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels(names, fontsize=8)
-    for label in ax.get_yticklabels():
-        if label.get_text() in worst:
-            label.set_color("#c0392b")
-            label.set_fontweight("bold")
+    for tick in ax.get_yticklabels():
+        if tick.get_text() in worst:
+            tick.set_color("#c0392b")
+            tick.set_fontweight("bold")
     ax.invert_yaxis()
-    ax.set_xlabel("SQNR (dB) against fp32, higher is better")
-    ax.set_title("Per-layer SQNR on held-out batches" + (" (worst five in red)" if worst else ""))
+    ax.axvline(0, color="black", linewidth=0.6)
+    ax.set_xlabel("SQNR (dB), higher is better")
+    flagged = f"flagged in red: {rule}" if worst else f"no layer flagged ({rule})" if rule else ""
+    ax.set_title("Per-layer SQNR on held-out batches" + (f"\n{flagged}" if flagged else ""), fontsize=9)
     ax.grid(axis="x", alpha=0.3)
-    ax.margins(x=0.12)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
+    ax.margins(x=0.15)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return _save(fig, path, names)
 
 
@@ -97,13 +109,18 @@ def read_qat_series(metrics_csv: Path) -> dict[str, list[tuple[float, float]]]:
     return series
 
 
-def scale_evolution(metrics_csv: Optional[Path], path: Path) -> Optional[Path]:
-    """Scales logged as ``qat/scale/*`` (if the callback logs them) and the QAT phase flags, over steps."""
+def scale_evolution(metrics_csv: Optional[Path], path: Path, names: Optional[dict[str, str]] = None) -> Optional[Path]:
+    """Scales logged as ``qat/scale/*`` (if the callback logs them) and the QAT phase flags, over steps.
+
+    ``names`` maps an observer (``net.activation_post_process_0``) to what it quantizes (``after
+    net.features.0.0``): the legend shows that; an observer not in it keeps its own name.
+    """
     if metrics_csv is None or not Path(metrics_csv).is_file():
         return None
     series = read_qat_series(Path(metrics_csv))
     if not series:
         return None
+    names = names or {}
     scales = {k: v for k, v in series.items() if k.startswith("qat/scale")}
     flags = {k: v for k, v in series.items() if not k.startswith("qat/scale")}
     panels = [p for p in (scales, flags) if p]
@@ -115,24 +132,37 @@ def scale_evolution(metrics_csv: Optional[Path], path: Path) -> Optional[Path]:
             if panel is flags:  # stacked step lines, so the 0/1 flags do not hide each other
                 ax.step(xs, [y + 1.5 * offset for y in ys], where="post", label=key.removeprefix("qat/"))
             else:
-                ax.plot(xs, ys, label=key.removeprefix("qat/scale/"))
+                observer = key.removeprefix("qat/scale/")
+                ax.plot(xs, ys, label=names.get(observer, observer))
         if panel is flags:
             ax.set_yticks([])
             ax.set_title("QAT phase over training steps (each flag: low = off, high = on)")
         else:
             ax.set_ylabel("scale")
             ax.set_yscale("log")
-            ax.set_title("Quantization scales over training steps")
+            ax.set_title("Activation quantization scales over training steps")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    return _save(fig, path, sorted(series))
+    shown = [key.removeprefix("qat/") for key in sorted(flags)]
+    shown += [names.get(k.removeprefix("qat/scale/"), k.removeprefix("qat/scale/")) for k in sorted(scales)]
+    return _save(fig, path, shown)
+
+
+def observer_names(report: dict[str, Any]) -> dict[str, str]:
+    """``{observer: "after <module>"}`` from the report's activation ranges (the scale plot's legend)."""
+    return {a["observer"]: f"after {a['after']}" if not a["after"].startswith("input ") else a["after"]
+            for a in (report.get("ranges") or {}).get("activations") or [] if a.get("observer")}
 
 
 def latency(latency_ms: dict[str, dict[str, dict[str, float]]], path: Path) -> Optional[Path]:
-    """Median latency of fp32, int8 and each artifact, one panel per batch size (log scale)."""
-    rows = [(f"{m}:{v}" if len(latency_ms) > 1 else v, by_batch) for m, variants in latency_ms.items() for v, by_batch in variants.items()]
+    """Median latency of float, int8 and each artifact, one panel per batch size (log scale), values on bars."""
+    def shown(variant: str) -> str:
+        return "float" if variant == "fp32" else variant
+
+    rows = [(f"{m}:{shown(v)}" if len(latency_ms) > 1 else shown(v), by_batch)
+            for m, variants in latency_ms.items() for v, by_batch in variants.items()]
     batches = sorted({b for _, by_batch in rows for b in by_batch}, key=lambda b: int(b))
     if not rows or not batches:
         return None
@@ -141,12 +171,16 @@ def latency(latency_ms: dict[str, dict[str, dict[str, float]]], path: Path) -> O
         ax = fig.add_subplot(1, len(batches), i + 1)
         names = [n for n, by_batch in rows if by_batch.get(batch) is not None]
         values = [by_batch[batch] for _, by_batch in rows if by_batch.get(batch) is not None]
-        ax.bar(range(len(names)), values, color=["#888888" if n.endswith("fp32") else "#1f77b4" for n in names])
+        bars = ax.bar(range(len(names)), values, color=["#888888" if n.endswith("float") else "#1f77b4" for n in names])
+        for bar, v in zip(bars, values):
+            ax.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("ms (median)")
         if values and min(values) > 0 and max(values) / min(values) > 20:
             ax.set_yscale("log")
+        ax.margins(y=0.15)
         ax.set_title(f"batch {batch}")
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -158,8 +192,9 @@ def render(report: dict[str, Any], run_dir: Path) -> dict[str, str]:
     run_dir = Path(run_dir)
     out = run_dir / PLOTS_DIR
     made: dict[str, Optional[Path]] = {
-        "per_layer_sqnr": per_layer_sqnr(report.get("layers") or [], out / "per_layer_sqnr.png", report.get("worst_layers")),
-        "scale_evolution": scale_evolution(find_metrics_csv(run_dir), out / "scale_evolution.png"),
+        "per_layer_sqnr": per_layer_sqnr(report.get("layers") or [], out / "per_layer_sqnr.png", report.get("worst_layers"),
+                                         report.get("worst_layers_rule", "")),
+        "scale_evolution": scale_evolution(find_metrics_csv(run_dir), out / "scale_evolution.png", observer_names(report)),
         "latency": latency((report.get("latency_detail") or {}).get("ms") or {}, out / "latency.png"),
     }
     return {k: str(v.relative_to(run_dir)) for k, v in made.items() if v is not None}

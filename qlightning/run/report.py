@@ -1,8 +1,16 @@
 """Float vs fake-quant vs int8: quality on the test set, size on disk, latency.
 
-"fp32" is the float model the QAT phase started from (a snapshot taken when fake-quant first
-turns on, kept in checkpoints); "fake_quant" is what training and validation saw; "int8" is the
-converted model.
+The variants (keys of ``metrics``; ``labels`` holds what each is, in words, and every table prints
+those labels, not the keys):
+
+* ``fp32``: for QAT, the *float snapshot*: the weights when fake-quant first turned on (the end of
+  the float warm-up, kept in checkpoints), run in float. It is not a float baseline: after a short
+  warm-up it is far below the trained model. For PTQ, the float model that was converted.
+* ``trained_float`` (QAT with a snapshot): the final, QAT-trained weights run with fake-quant off.
+  The same weights as ``fake_quant`` and ``int8``, so the gap to them is what quantization costs;
+  these weights were trained for quantization (not a float model trained as long).
+* ``ptq``: post-training quantization of the snapshot (a baseline, when asked for).
+* ``fake_quant``: what training and validation saw; ``int8``: the converted model.
 """
 
 from __future__ import annotations
@@ -12,18 +20,58 @@ import json
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from qlightning.core.inputs import Inputs, tile_inputs
-from qlightning.core.metrics import median_latency_ms
+from qlightning.core.inputs import Inputs
 from qlightning.core.quiet import quiet
 from qlightning.core.session import QuantSession, session_of, set_submodule
 
-VARIANTS = ("fp32", "ptq", "fake_quant", "int8")
+VARIANTS = ("fp32", "trained_float", "ptq", "fake_quant", "int8")
+
+#: the rule that names a layer among the worst (stated in report.md)
+WORST_LAYERS_MAX = 3
+WORST_LAYERS_BELOW_DB = 20.0
+WORST_LAYERS_RULE = (
+    f"the up to {WORST_LAYERS_MAX} layers with the lowest int8-vs-float SQNR (same weights) that are below "
+    f"{WORST_LAYERS_BELOW_DB:g} dB"
+)
+#: a share of clipped weights or activations above this is flagged (bold) in report.md
+CLIPPED_HIGH = 0.05
+
+
+def variant_labels(session: QuantSession, versions: Iterable[str]) -> dict[str, str]:
+    """What each variant of the report is, in words (the row names of every table and plot)."""
+    session = session_of(session)
+    if session.kind == "ptq":
+        fp32 = "float (the model before conversion)"
+    elif session.float_snapshot is not None:
+        step = "" if session.float_snapshot_step is None else f", step {session.float_snapshot_step}"
+        fp32 = f"float snapshot (at fake-quant start{step})"
+    else:
+        fp32 = "float (final weights, fake-quant off)"
+    labels = {
+        "fp32": fp32,
+        "trained_float": "float, QAT-trained weights (fake-quant off)",
+        "ptq": "PTQ of the float snapshot",
+        "fake_quant": "fake-quant (training, validation)",
+        "int8": "int8 (converted)",
+    }
+    return {k: v for k, v in labels.items() if k in set(versions)}
+
+
+def label(report: dict[str, Any], variant: str) -> str:
+    """The label of ``variant`` in ``report`` (older reports without ``labels``: the key itself)."""
+    return (report.get("labels") or {}).get(variant, variant)
+
+
+def flag_worst_layers(layers: Sequence[dict[str, Any]], column: str = "int8_vs_float_sqnr_db") -> list[str]:
+    """The layers that are genuinely bad, by :data:`WORST_LAYERS_RULE` (lowest first)."""
+    rows = sorted((row[column], row["layer"]) for row in layers if row.get(column) is not None)
+    return [name for value, name in rows[:WORST_LAYERS_MAX] if value < WORST_LAYERS_BELOW_DB]
 
 
 def state_dict_bytes(module: nn.Module, skip: Iterable[str] = ()) -> int:
@@ -101,21 +149,15 @@ def build_report(
     repeats: int = 30,
     threads: Optional[int] = None,
 ) -> dict[str, Any]:
+    """Test metrics of every variant, sizes and the variants' labels.
+
+    Latency is not measured here: :func:`qlightning.run.artifacts.export_and_check` measures every
+    model once, calls interleaved, and fills ``latency_ms`` (the headline) from that measurement.
+    ``batch_size``, ``repeats`` and ``threads`` are recorded as the settings of that measurement.
+    """
     session = session_of(session)
     versions = session.variants(pl_module)
-    metrics, seen = evaluate(trainer_factory, pl_module, datamodule, versions)
-    old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        latency = {variant: 0.0 for variant in ("fp32", "ptq", "int8") if variant in versions}
-        for name in session.targets:
-            inputs = seen.get(name) or session.inputs[name]
-            batch = tile_inputs(inputs, batch_size)
-            for variant in latency:
-                latency[variant] += median_latency_ms(versions[variant][name], batch, repeats)
-    finally:
-        torch.set_num_threads(old_threads)
+    metrics, _ = evaluate(trainer_factory, pl_module, datamodule, versions)
     # fp32 size: the float weights alone, without the observer / fake-quant state QAT added
     size = {
         "fp32": sum(
@@ -127,6 +169,8 @@ def build_report(
         size["ptq"] = sum(state_dict_bytes(m) for m in versions["ptq"].values())
     return {
         "fp32_is": session.fp32_is,
+        "labels": variant_labels(session, versions),
+        "float_snapshot_step": session.float_snapshot_step,
         "fidelity": dict(session.fidelity_results),
         "notices": list(session.notices),
         "modules": list(session.targets),
@@ -135,10 +179,44 @@ def build_report(
         "backend": session.backend,
         "metrics": metrics,
         "size_bytes": size,
-        "latency_ms": {k: round(v, 4) for k, v in latency.items()},
+        "latency_ms": {},
         "latency_batch_size": batch_size,
-        "latency_threads": threads or old_threads,
+        "latency_repeats": repeats,
+        "latency_threads": threads or torch.get_num_threads(),
     }
+
+
+def _size_cell(report: dict[str, Any], variant: str, none: str = "") -> str:
+    size = report["size_bytes"].get(variant)
+    if size is not None:
+        return f"{size / 1024:.1f}"
+    return none if variant in ("trained_float", "fake_quant") else ""
+
+
+def _latency_cell(report: dict[str, Any], variant: str, none: str = "") -> str:
+    lat = (report.get("latency_ms") or {}).get(variant)
+    if lat is not None:
+        return f"{lat:.3f}"
+    return none if variant == "trained_float" else ""  # fake-quant latency is not measured
+
+
+def headline(report: dict[str, Any]) -> str:
+    """One sentence: how much smaller and faster int8 is than float, from the one latency measurement."""
+    size, lat = report["size_bytes"], report.get("latency_ms") or {}
+    parts = []
+    if size.get("fp32") and size.get("int8"):
+        parts.append(f"{size['fp32'] / size['int8']:.2f}x smaller (state dict)")
+    if lat.get("fp32") and lat.get("int8"):
+        ratio = lat["fp32"] / lat["int8"]
+        speed = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+        parts.append(
+            f"{speed} at batch {report['latency_batch_size']}, "
+            f"{report['latency_threads']} thread(s) (medians of one interleaved measurement, the same numbers as "
+            "the latency table below)"
+        )
+    if not parts:
+        return ""
+    return "int8 is " + " and ".join(parts) + " than float (same architecture, eager)."
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -148,33 +226,47 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
         f"Quantized modules: {', '.join(report['modules'])} · engine {report['engine']} · backend {report['backend']}",
         "",
-        "| | " + " | ".join(metric_names) + " | size (KiB) | latency (ms, batch "
+        "| model | " + " | ".join(metric_names) + " | size (KiB) | latency (ms, batch "
         + f"{report['latency_batch_size']}, {report['latency_threads']} threads) |",
         "|---|" + "---|" * (len(metric_names) + 2),
     ]
     for variant in (v for v in VARIANTS if v in report["metrics"]):
         values = report["metrics"].get(variant, {})
         cells = [f"{values[m]:.4f}" if m in values else "" for m in metric_names]
-        size = report["size_bytes"].get(variant)
-        lat = report["latency_ms"].get(variant)
-        cells.append(f"{size / 1024:.1f}" if size is not None else "(as fp32)")
-        cells.append(f"{lat:.3f}" if lat is not None else "(as fp32)")
-        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
-    fp32, int8 = report["size_bytes"]["fp32"], report["size_bytes"]["int8"]
-    lat = report["latency_ms"]
-    lines += [
-        "",
-        f"int8 is {fp32 / int8:.2f}x smaller and {lat['fp32'] / lat['int8']:.2f}x faster than fp32 "
-        f"(median of repeats)."
-        # a failing parity gate writes the report before the run's end, so there is no wall time yet
-        + (f" Wall time of the run: {report['wall_s']:.1f} s." if "wall_s" in report else ""),
-        "",
-        f"fp32 = {report.get('fp32_is', 'the float model')}; fake_quant = what training and validation saw."
-        + (" ptq = post-training quantization of the float weights at fake-quant start (a baseline)."
-           if "ptq" in report["metrics"] else ""),
-    ]
-
+        cells.append(_size_cell(report, variant, "(as float)"))
+        cells.append(_latency_cell(report, variant, "(as float)"))
+        lines.append(f"| {label(report, variant)} | " + " | ".join(cells) + " |")
+    sentence = headline(report)
+    # a failing parity gate writes the report before the run's end, so there is no wall time yet
+    wall = f" Wall time of the run: {report['wall_s']:.1f} s." if "wall_s" in report else ""
+    lines += ["", (sentence + wall).strip(), ""]
+    lines += [f"- {row}" for row in legend(report)]
     return "\n".join(lines) + "\n" + markdown_sections(report)
+
+
+def legend(report: dict[str, Any]) -> list[str]:
+    """What each row of the first table is, one line each."""
+    metrics = report["metrics"]
+    out = []
+    if "fp32" in metrics:
+        if "trained_float" in metrics or "snapshot" in label(report, "fp32"):
+            out.append(
+                f"{label(report, 'fp32')}: the weights when fake-quant first turned on (end of the float warm-up), "
+                "run in float. Not a float baseline: training went on after it."
+            )
+        else:
+            out.append(f"{label(report, 'fp32')}: {report.get('fp32_is', 'the float model')}.")
+    if "trained_float" in metrics:
+        out.append(
+            f"{label(report, 'trained_float')}: the final weights with quantization off, the same weights as "
+            "fake-quant and int8: the gap to them is what quantization costs (the weights were trained for "
+            "quantization; this is not a float model trained as long)."
+        )
+    if "ptq" in metrics:
+        out.append(f"{label(report, 'ptq')}: post-training quantization of the float snapshot (a baseline).")
+    if "fake_quant" in metrics:
+        out.append(f"{label(report, 'fake_quant')}: the model training and validation ran (quantization simulated).")
+    return out
 
 
 def write(report: dict[str, Any], run_dir: Path) -> None:
@@ -196,15 +288,16 @@ def print_table(report: dict[str, Any]) -> None:
     table.add_column(f"ms/batch {report['latency_batch_size']}", justify="right")
     for variant in (v for v in VARIANTS if v in report["metrics"]):
         values = report["metrics"].get(variant, {})
-        size = report["size_bytes"].get(variant)
-        lat = report["latency_ms"].get(variant)
         table.add_row(
-            variant,
+            label(report, variant),
             *[f"{values[m]:.4f}" if m in values else "" for m in metric_names],
-            f"{size / 1024:.1f}" if size is not None else "",
-            f"{lat:.3f}" if lat is not None else "",
+            _size_cell(report, variant),
+            _latency_cell(report, variant),
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if "trained_float" in report["metrics"]:
+        console.print(f"{label(report, 'fp32')} is not a float baseline; {label(report, 'trained_float')} has the int8 model's weights.")
 
 
 # ---------------------------------------------------------------------------------------------- markdown: exports, parity, per-layer SQNR, ranges, latency, plots
@@ -216,6 +309,45 @@ def _fmt(value: Any, spec: str = ".1f", none: str = "") -> str:
     if value is None:
         return none
     return format(value, spec)
+
+
+def _variant_name(report: dict[str, Any], variant: str) -> str:
+    """The float row of the size/latency tables is the architecture's float cost, whichever weights it has."""
+    return "float" if variant == "fp32" else label(report, variant)
+
+
+#: per-layer columns: (key, header)
+LAYER_COLUMNS = (
+    ("int8_vs_float_sqnr_db", "quantization: int8 vs float, same weights (dB)"),
+    ("fake_quant_vs_float_sqnr_db", "fake-quant vs float, same weights (dB)"),
+    ("drift_sqnr_db", "drift: trained float vs snapshot (dB)"),
+    ("conversion_sqnr_db", "conversion: int8 vs reference (dB)"),
+)
+
+
+def per_layer_lines(report: dict[str, Any]) -> list[str]:
+    """The per-layer SQNR table of report.md, with what its columns measure and which layers are flagged."""
+    layers = report.get("layers") or []
+    columns = [(k, h) for k, h in LAYER_COLUMNS if any(row.get(k) is not None for row in layers)]
+    worst = report.get("worst_layers") or []
+    rule = report.get("worst_layers_rule") or WORST_LAYERS_RULE
+    lines = [
+        "Each layer's output on held-out batches against the same layer of a reference model on the same inputs "
+        "(errors of earlier layers included). Quantization: int8 / fake-quant against the same weights run in float "
+        "(fake-quant off). Drift: the trained float weights against the float snapshot at fake-quant start: how far "
+        "training moved the model, not a quantization error. Conversion: int8 against the same quantized graph "
+        "simulated in float (>= 30 dB expected).",
+        "",
+        (f"Flagged ({rule}): {', '.join(f'`{w}`' for w in worst)}." if worst
+         else f"No layer flagged ({rule})."),
+        "",
+        "| layer | " + " | ".join(h for _, h in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for row in layers:
+        name = f"**{row['layer']}**" if row["layer"] in worst else row["layer"]
+        lines.append(f"| {name} | " + " | ".join(_fmt(row.get(k)) for k, _ in columns) + " |")
+    return lines
 
 
 def markdown_sections(report: dict[str, Any]) -> str:
@@ -252,49 +384,80 @@ def markdown_sections(report: dict[str, Any]) -> str:
             if c.get("error"):
                 result += f" ({c['error'][:100]})"
             lines.append(
-                f"| {c['module']} | {c['candidate']} | {c['reference']} | {_fmt(c.get('sqnr_db'))} | "
+                f"| {c['module']} | {label(report, c['candidate'])} | {label(report, c['reference'])} | {_fmt(c.get('sqnr_db'))} | "
                 f"{_fmt(c.get('top1_agreement'), '.4f')} | {'yes' if c.get('gated') else 'no'} | {result} |"
             )
+        drift = any(c["candidate"] == "trained_float" for c in parity["checks"])
         lines += [
             "",
             "int8_reference = the same quantized graph simulated in float (decomposed reference model): int8 against "
-            "it checks conversion and lowering; each artifact is checked against int8.",
+            "it checks conversion and lowering; each artifact is checked against int8. The other rows are information"
+            + (": against the float QAT-trained weights, what quantization costs; the trained weights against the "
+               "float snapshot, how far training moved them (drift, not a quantization error)." if drift else "."),
         ]
     layers = report.get("layers") or []
     if layers:
-        worst = report.get("worst_layers") or []
-        lines += ["", "## Per-layer SQNR", ""]
-        if worst:
-            lines += [f"Five worst layers (int8 vs fp32): {', '.join(f'`{w}`' for w in worst)}.", ""]
-        lines += ["| layer | fake-quant vs fp32 (dB) | int8 vs fp32 (dB) | int8 vs reference (dB) |", "|---|---|---|---|"]
-        for row in layers:
-            lines.append(
-                f"| {row['layer']} | {_fmt(row.get('fake_quant_sqnr_db'))} | {_fmt(row.get('int8_sqnr_db'))} | "
-                f"{_fmt(row.get('conversion_sqnr_db'))} |"
-            )
+        lines += ["", "## Per-layer SQNR", ""] + per_layer_lines(report)
     ranges = report.get("ranges") or {}
     if ranges.get("weights"):
-        lines += ["", "## Weight ranges", "", "| layer | shape | dtype | scheme | float range | scale range |", "|---|---|---|---|---|---|"]
+        lines += ["", "## Weight ranges", "", "| layer | shape | dtype | scheme | float range | scale range | clipped |",
+                  "|---|---|---|---|---|---|---|"]
+        high = []
         for w in ranges["weights"]:
+            clipped = w.get("clipped")
+            cell = _fmt(clipped, ".2%")
+            if clipped is not None and clipped > CLIPPED_HIGH:
+                cell, _ = f"**{cell}**", high.append(w["layer"])
             lines.append(
                 f"| {w['layer']} | {w['shape']} | {w['dtype']} | {w['qscheme']} | [{w['min']:.4g}, {w['max']:.4g}] | "
-                f"[{w['scale_min']:.3g}, {w['scale_max']:.3g}] |"
+                f"[{w['scale_min']:.3g}, {w['scale_max']:.3g}] | {cell} |"
             )
+        lines += [
+            "",
+            "Float range: of the int8 weights (BatchNorm folded in). Clipped = share of weights at the ends of the int8 "
+            "range beyond the one per channel a fitted range puts there. Above "
+            f"{CLIPPED_HIGH:.0%} (in bold) the weight range the observer kept is narrower than the weights (e.g. "
+            "torch.ao's default per-channel moving-average weight observer lagging while the folded weights grew, "
+            "then frozen): int8 then "
+            "computes a different function from the same weights in float (the per-layer quantization column), which "
+            "QAT may have adapted to (compare fake-quant and int8 accuracy with the float rows); observe longer "
+            "(`quant.schedule.observer_freeze` later) or choose a weight observer that follows the weights.",
+        ]
+        if high:
+            lines += ["", f"High weight clipping in: {', '.join(f'`{h}`' for h in high)}."]
     if ranges.get("activations"):
         lines += [
             "",
             "## Activation ranges",
             "",
-            "| after | scale | zero point | fake-quant range | observed (held-out, QAT model) | clipped by fake-quant | clipped by int8 |",
+            "| after | scale | zero point | quantization range | observed after the op (held-out, QAT model) | "
+            "clipped by fake-quant | clipped by int8 |",
             "|---|---|---|---|---|---|---|",
         ]
+        high = []
         for a in ranges["activations"]:
             observed = a.get("observed")
+            after = a["after"] + (" (+ fused ReLU)" if a.get("activation_applied") else "")
+            clipped = a.get("clipped_fake_quant")
+            cell = _fmt(clipped, ".2%")
+            if clipped is not None and clipped > CLIPPED_HIGH:
+                cell, _ = f"**{cell}**", high.append(a["after"])
             lines.append(
-                f"| {a['after']} | {a['scale']:.4g} | {a['zero_point']} | [{a['range'][0]:.4g}, {a['range'][1]:.4g}] | "
+                f"| {after} | {a['scale']:.4g} | {a['zero_point']} | [{a['range'][0]:.4g}, {a['range'][1]:.4g}] | "
                 + (f"[{observed[0]:.4g}, {observed[1]:.4g}]" if observed else "")
-                + f" | {_fmt(a.get('clipped_fake_quant'), '.2%')} | {_fmt(a.get('clipped_int8'), '.2%')} |"
+                + f" | {cell} | {_fmt(a.get('clipped_int8'), '.2%')} |"
             )
+        lines += [
+            "",
+            "Clipped = share of the values an activation quantizer receives, after the op that feeds it (a fused "
+            "ReLU's negatives are removed by the ReLU, not clipped), that lie beyond its range and saturate at its "
+            "edge. Up to about 1 % is the usual price of a tight range; above "
+            f"{CLIPPED_HIGH:.0%} (in bold) the range is too narrow for held-out data: let the observers run longer "
+            "(`quant.schedule.observer_freeze` later) or calibrate on more batches, and for a model's output "
+            "(logits) consider leaving it in float; check the int8-vs-float SQNR of that layer above.",
+        ]
+        if high:
+            lines += ["", f"High clipping after: {', '.join(f'`{h}`' for h in high)}."]
     sizes = report.get("size_on_disk") or {}
     latency = report.get("latency_detail") or {}
     if sizes or latency.get("ms"):
@@ -303,7 +466,8 @@ def markdown_sections(report: dict[str, Any]) -> str:
             "",
             "## Size on disk and latency",
             "",
-            f"Median of {latency.get('repeats')} runs, {latency.get('threads')} thread(s).",
+            f"Median of {latency.get('repeats')} runs, {latency.get('threads')} thread(s), every model's calls "
+            "interleaved in one measurement (the first table's latency column is this table's last column).",
             "",
             "| module | model | size (KiB) | " + " | ".join(f"ms, batch {b}" for b in batches) + " |",
             "|---|---|---|" + "---|" * len(batches),
@@ -314,8 +478,9 @@ def markdown_sections(report: dict[str, Any]) -> str:
             for variant in dict.fromkeys([*size_row, *lat_row]):
                 size = size_row.get(variant)
                 cells = [_fmt(lat_row.get(variant, {}).get(b), ".3f") for b in batches]
-                label = f"{variant} (eager; size of the state dict)" if variant in ("fp32", "int8") else f"{variant} file"
-                lines.append(f"| {module} | {label} | {_fmt(size / 1024 if size else None)} | " + " | ".join(cells) + " |")
+                row_name = (f"{_variant_name(report, variant)} (eager; size of the state dict)"
+                            if variant in VARIANTS else f"{variant} file")
+                lines.append(f"| {module} | {row_name} | {_fmt(size / 1024 if size else None)} | " + " | ".join(cells) + " |")
     plots = report.get("plots") or {}
     if plots:
         lines += ["", "## Plots", ""] + [f"![{name}]({path})" for name, path in plots.items()]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-# the variant names of report["metrics"], most trustworthy float reference first
-FLOAT_VARIANTS = ("float", "fp32")
+# report["metrics"] variants shown beside int8, in this order (labels from report["labels"])
+VARIANT_ORDER = ("fake_quant", "trained_float", "fp32", "ptq")
 
 
 def verdict_lines(result: dict[str, Any]) -> list[str]:
@@ -36,18 +36,20 @@ def verdict_lines(result: dict[str, Any]) -> list[str]:
 
 
 def headline(result: dict[str, Any]) -> Optional[str]:
-    """``int8 accuracy 0.9963 vs float 0.9852 (the float weights at fake-quant start)``, or ``None`` without metrics."""
+    """``int8 accuracy 0.9963 · fake-quant 0.9963 · float snapshot (...) 0.9852``, each variant by its report
+    label; ``None`` without int8 metrics."""
     metrics = result.get("metrics") or {}
     int8 = metrics.get("int8") or {}
-    reference = next((v for v in FLOAT_VARIANTS if v in metrics), None)
-    if not int8 or reference is None:
-        return None
-    keys = [k for k in int8 if k in metrics[reference]]
-    key = next((k for k in ("accuracy", "acc", "top1") if k in keys), keys[0] if keys else None)
+    key = next((k for k in ("accuracy", "acc", "top1") if k in int8), next(iter(int8), None))
     if key is None:
         return None
-    label = result.get("fp32_is") or result.get("float_is") or reference
-    return f"int8 {key} {int8[key]:.4f} vs {reference} {metrics[reference][key]:.4f} ({reference} = {label})"
+    labels = {**(result.get("labels") or {}), "fake_quant": "fake-quant"}
+    parts = [f"int8 {key} {int8[key]:.4f}"]
+    for variant in VARIANT_ORDER:
+        value = (metrics.get(variant) or {}).get(key)
+        if isinstance(value, (int, float)):
+            parts.append(f"{labels.get(variant, variant)} {value:.4f}")
+    return " · ".join(parts)
 
 
 def print_summary(result: dict[str, Any], run_dir: Path, console: Any = None) -> None:

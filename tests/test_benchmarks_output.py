@@ -1,0 +1,81 @@
+"""Benchmarks write a new results file unless asked; the README's table is generated from the committed one.
+
+No benchmark runs here: ``run_table`` is replaced by the committed quick results.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import benchmarks.__main__ as bench
+from benchmarks import readme
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def results_dir(tmp_path, monkeypatch):
+    """A results folder holding copies of the committed files, and a ``run_table`` that measures nothing."""
+    committed = ROOT / "benchmarks" / "results"
+    for name in ("quick.json", "quick.md", "latest.json", "latest.md"):
+        (tmp_path / name).write_bytes((committed / name).read_bytes())
+    canned = json.loads((committed / "quick.json").read_text())
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench, "run_table", lambda args: canned)
+    threads = torch.get_num_threads()
+    yield tmp_path
+    torch.set_num_threads(threads)  # main() sets the benchmark's thread count for the whole process
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def test_quick_run_writes_a_new_file_and_keeps_the_committed_ones(results_dir, capsys):
+    before = snapshot(results_dir)
+    bench.main(["--quick"])
+    after = snapshot(results_dir)
+    assert {k: after[k] for k in before} == before  # committed files: same bytes, same mtime
+    new = sorted(set(after) - set(before))
+    assert len(new) == 2 and all(n.startswith("quick-") for n in new), new
+    assert {Path(n).suffix for n in new} == {".json", ".md"}
+    assert json.loads((results_dir / next(n for n in new if n.endswith(".json"))).read_text())["machine"]["quick"]
+
+
+def test_existing_output_is_refused_unless_overwrite(results_dir, tmp_path):
+    before = snapshot(results_dir)
+    with pytest.raises(SystemExit, match="--overwrite"):
+        bench.main(["--quick", "--out", str(results_dir / "quick")])
+    assert snapshot(results_dir) == before
+    bench.main(["--quick", "--overwrite"])  # asked: replaces results/quick.{md,json}
+    assert snapshot(results_dir)["quick.json"][1] != before["quick.json"][1]
+    assert snapshot(results_dir)["latest.json"] == before["latest.json"]
+    out = tmp_path / "elsewhere" / "run1"
+    bench.main(["--quick", "--output", str(out)])
+    assert out.with_suffix(".json").is_file() and out.with_suffix(".md").is_file()
+
+
+def test_readme_table_is_generated_from_the_committed_results():
+    text = (ROOT / "README.md").read_text()
+    results = json.loads(readme.RESULTS_FILE.read_text())
+    assert readme.readme_block(text) == readme.block(results, "benchmarks/results/latest.json"), (
+        "README's benchmarks table differs from benchmarks/results/latest.json: run `python -m benchmarks readme --write`"
+    )
+
+
+def test_readme_table_marks_missing_figures(tmp_path):
+    results = json.loads(readme.RESULTS_FILE.read_text())
+    del results["models"]["transformer"]
+    del results["scaling"]
+    table = readme.table(results)
+    assert "| QAT train step / float step: torch.ao FX | 1.62x | 1.61x | n/a |" in table
+    assert "prepare + convert" not in table
+    readme_file = tmp_path / "README.md"
+    readme_file.write_text("intro\n\n" + readme.block({"models": {}}, "x.json") + "\n\nafter\n")
+    readme.main(readme.RESULTS_FILE, write=True, readme=readme_file)
+    assert readme_file.read_text().startswith("intro\n\n") and readme_file.read_text().endswith("\n\nafter\n")
+    assert readme.readme_block(readme_file.read_text()) == readme.block(json.loads(readme.RESULTS_FILE.read_text()), "benchmarks/results/latest.json")
