@@ -39,3 +39,9 @@ class FidelityError(QLightningError, RuntimeError):
 
 class IncompleteScheduleError(QLightningError, RuntimeError):
     """A fit ended before its QAT schedule quantized anything; converting would ship uninitialised scales."""
+
+
+class ReferenceUnavailableError(QLightningError, RuntimeError):
+    """No q/dq reference graph can express a converted module (e.g. a static custom module such as
+    torch.ao's quantized LSTM): ONNX / ``.pt2`` cannot be built and the parity gate has no int8 reference."""
+

@@ -90,6 +90,21 @@ def static_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def export_format_problems(cfg: DictConfig, callback: Any) -> list[str]:
+    """Formats of ``export.formats`` the engine cannot build for this quantization, known before training."""
+    try:
+        limits = callback.export_limits()
+    except Exception:  # an engine that cannot load here is reported when the run needs it
+        return []
+    formats = [str(getattr(f, "value", f)) for f in (cfg.get("export") or {}).get("formats") or []]
+    keep = [f for f in formats if f not in limits]
+    return [
+        f"export.formats: {fmt!r} cannot be built for this model: {limits[fmt]}; leave it out, "
+        f"e.g. export.formats=[{','.join(keep) or 'torchscript'}]"
+        for fmt in formats if fmt in limits
+    ]
+
+
 def validate_config(cfg: DictConfig) -> tuple[list[str], Any, Any]:
     """Returns ``(problems, callback or None, model or None)``.
 
@@ -110,6 +125,8 @@ def validate_config(cfg: DictConfig) -> tuple[list[str], Any, Any]:
             callback = build_callback(cfg)
         except ConfigError as exc:
             problems.extend(exc.problems)
+        if callback is not None:
+            problems.extend(export_format_problems(cfg, callback))
     if not static:  # nothing is instantiated unless every _target_ and value passed
         try:
             model = instantiate_checked(cfg.model, "model")

@@ -20,7 +20,7 @@ from torch.nn.utils import prune
 from qlightning.core.inputs import Inputs, example_inputs_for, resolve_targets, tile_inputs
 from qlightning.core.schedule import Phase
 from qlightning.engines import QuantEngine, QuantSpec
-from qlightning.errors import ConfigError
+from qlightning.errors import ConfigError, ReferenceUnavailableError
 from qlightning.quantize.calibration import float_module_from
 from qlightning.quantize.lowering import BUILDERS, CANDIDATES, LoweringChoice, LoweringContext, choose_lowering
 from qlightning.quantize.ptq import ptq_baseline
@@ -112,6 +112,9 @@ class QuantSession:
         #: float copies kept by a PTQ run (its fp32 baseline)
         self.float_modules: dict[str, nn.Module] = {}
         self.fake_quant_modules: dict[str, nn.Module] = {}
+        #: a PTQ run's calibrated (observed) module of each target, kept before converting: what its
+        #: q/dq reference graph (ONNX, .pt2, the parity gate's int8 reference) is built from
+        self.observed_modules: dict[str, nn.Module] = {}
         #: the engine's converted module of each target (what TorchScript exports), whatever runs in its place
         self.int8_modules: dict[str, nn.Module] = {}
         #: per target, the runtime kept and every candidate's latency and parity (``lowering != "fx"``)
@@ -237,15 +240,27 @@ class QuantSession:
                 set_submodule(root, name, self.lower(name, int8, lowering, candidates, batch_size, min_sqnr_db, on_choice))
         self.converted = True
 
+    def export_limits(self) -> dict[str, str]:
+        """The exports (``onnx``, ``pt2``) and the q/dq ``reference`` this session's modules cannot have, with why."""
+        return self.engine.export_limits(self.spec)
+
     def reference_module(self, name: str) -> nn.Module:
         """The q/dq graph that computes what the int8 module ``name`` computes (exports, lowering)."""
-        fake_quant = self.fake_quant_modules.get(name)
-        if fake_quant is None and self.engine.name == "fx":
+        limit = self.export_limits().get("reference")
+        if limit is not None:
+            raise ReferenceUnavailableError(f"{name}: no q/dq reference graph: {limit}")
+        prepared = self.fake_quant_modules.get(name, self.observed_modules.get(name))
+        if prepared is None and self.engine.name == "fx":
+            how = ("a PTQ run keeps it only for static quantization (mode='static')" if self.kind == "ptq" else
+                   "construct QuantizationAwareTraining with keep_fake_quant=True (the default)")
             raise ConfigError(
-                f"{name}: ONNX and .pt2 exports are built from the fake-quant copy of the module, which was not kept; "
-                "construct QuantizationAwareTraining with keep_fake_quant=True (the default)"
+                f"{name}: ONNX and .pt2 exports (and the parity gate's int8 reference) are built from the prepared "
+                f"module before conversion, which was not kept; {how}"
             )
-        return self.engine.reference_module(fake_quant, self.int8_modules[name], self.spec)
+        int8 = self.int8_modules.get(name)
+        if int8 is None:
+            raise ConfigError(f"{name}: not converted by this session, so it has no q/dq reference")
+        return self.engine.reference_module(prepared, int8, self.spec)
 
     def lower(
         self, name: str, int8: nn.Module, lowering: str, candidates: Optional[Sequence[str]] = None,

@@ -260,6 +260,7 @@ def markdown_sections(report: dict[str, Any]) -> str:
             "int8_reference = the same quantized graph simulated in float (decomposed reference model): int8 against "
             "it checks conversion and lowering; each artifact is checked against int8.",
         ]
+        lines += [f"Not checked: {what}: {why}." for what, why in (parity.get("not_checked") or {}).items()]
     layers = report.get("layers") or []
     if layers:
         worst = report.get("worst_layers") or []
