@@ -9,6 +9,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from qlightning.core.inputs import resolve_targets
 from qlightning.config.build import build_callback, check_targets, instantiate_checked
 from qlightning.config.checkpoint_check import check_checkpoint
+from qlightning.config.dry_run import dry_run_problems, first_batch
 from qlightning.config.export_schema import check_export_config
 from qlightning.config.qconfig import check_against_model
 from qlightning.config.trainer_check import check_trainer
@@ -105,7 +106,7 @@ def export_format_problems(cfg: DictConfig, callback: Any) -> list[str]:
     ]
 
 
-def validate_config(cfg: DictConfig) -> tuple[list[str], Any, Any]:
+def validate_config(cfg: DictConfig, dry_run: Optional[bool] = True) -> tuple[list[str], Any, Any]:
     """Returns ``(problems, callback or None, model or None)``.
 
     Checks: the ``_target_``s (by identity, before anything is built), Trainer values,
@@ -113,7 +114,14 @@ def validate_config(cfg: DictConfig) -> tuple[list[str], Any, Any]:
     configs), then — with the model built, no data loaded — that every submodule name, regex and
     class the config mentions exists in the model, and that ``ckpt_path`` is a plain-data
     checkpoint of this very model. A remote ``ckpt_path`` allowed with ``allow_remote_ckpt=true``
-    is downloaded and ``cfg.ckpt_path`` replaced by the local copy.
+    is downloaded and ``cfg.ckpt_path`` replaced by the local copy. When everything else passed, a dry
+    prepare -> forward -> convert -> int8 forward of a copy of the model with the configured engine
+    (:mod:`qlightning.config.dry_run`) reports what torch.ao / torchao would refuse.
+
+    Args:
+        cfg: the composed config.
+        dry_run: ``True`` runs the dry run, ``False`` skips it, ``None`` runs it where it costs
+            seconds (the fx engine; PT2E's ``convert_pt2e`` alone takes tens of seconds).
     """
     static = static_problems(cfg)
     problems = static + check_export_config(cfg)
@@ -143,6 +151,9 @@ def validate_config(cfg: DictConfig) -> tuple[list[str], Any, Any]:
             problems.extend(check_against_model({t: model.get_submodule(t) for t in targets}, cfg.quant))
         except ConfigError as exc:
             problems.extend(exc.problems)
+    engine = str(getattr(cfg.quant.get("engine"), "value", cfg.quant.get("engine"))) if model is not None else None
+    if model is not None and callback is not None and not problems and (dry_run or (dry_run is None and engine == "fx")):
+        problems.extend(dry_run_problems(cfg, callback, model, first_batch(cfg)))
     if cfg.get("ckpt_path") is not None and not problems:
         problems.extend(check_checkpoint(cfg, model, lambda: build_callback(cfg)))
     elif cfg.get("ckpt_path") is not None:

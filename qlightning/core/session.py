@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
-from qlightning.core.inputs import Inputs, example_inputs_for, resolve_targets, tile_inputs
+from qlightning.core.inputs import Inputs, example_inputs_for, positional_args, resolve_targets, tile_inputs
 from qlightning.core.schedule import Phase
 from qlightning.engines import QuantEngine, QuantSpec
-from qlightning.errors import ConfigError, ReferenceUnavailableError
+from qlightning.errors import ConfigError, DryRunError, ReferenceUnavailableError, TraceError
 from qlightning.quantize.calibration import float_module_from
 from qlightning.quantize.lowering import BUILDERS, CANDIDATES, LoweringChoice, LoweringContext, choose_lowering
 from qlightning.quantize.ptq import ptq_baseline
@@ -163,6 +163,39 @@ class QuantSession:
     def modules(self, root: nn.Module) -> dict[str, nn.Module]:
         """The target submodules as they are in ``root`` now."""
         return {name: root.get_submodule(name) for name in self.targets}
+
+    def dry_run(self, root: nn.Module, batch_source: Optional[Callable[[], Any]] = None) -> None:
+        """Prepare -> one quantized forward -> convert -> one int8 forward of every target, on a copy of ``root``.
+
+        What a run would do at fit start and fit end, in seconds and before any training step, so that
+        an engine's refusal (a qconfig mapping torch.ao cannot fuse, a custom module it cannot convert)
+        is known up front. ``root`` and this session are left untouched. Raises :class:`DryRunError`
+        (stage, target, the engine's exception); :class:`ConfigError` and trace errors pass as they are.
+        """
+        trial = QuantSession(self.engine, self.spec, self.module_names, self.example_inputs, keep_fake_quant=False, kind=self.kind)
+        copy_ = copy.deepcopy(root)
+        trial.targets = trial.resolve(copy_)
+        trial.capture(copy_, batch_source)
+        phase = Phase(fake_quant=self.kind == "qat", observe=True, bn_frozen=False)
+        for name in trial.targets:
+            stage = "prepare"
+            try:
+                prepared = self.engine.prepare(copy_.get_submodule(name), trial.inputs[name], self.spec)
+                set_submodule(copy_, name, prepared)
+                stage = "forward"
+                self.engine.set_phase(prepared, phase)
+                with torch.no_grad():  # two rows: BatchNorm in training mode needs more than one value per channel
+                    prepared(*positional_args(prepared, tile_inputs(trial.inputs[name], 2)))
+                stage = "convert"
+                self.engine.set_observers(prepared, False)
+                int8 = self.engine.convert(prepared, self.spec)
+                stage = "int8 forward"
+                with torch.no_grad():
+                    int8(*positional_args(int8, trial.inputs[name]))
+            except (ConfigError, TraceError):
+                raise
+            except Exception as exc:  # the engine's (torch.ao / torchao) own exception, whatever its type
+                raise DryRunError(stage, name, exc) from exc
 
     # ------------------------------------------------------------------ phases
 
