@@ -78,15 +78,17 @@ def dry_run_problems(cfg: DictConfig, callback: Any, model: Any, batch_source: O
         Problems (empty: the engine prepared, converted and ran every target).
     """
     quant = cfg.get("quant")
+    # dynamic / weight-only PTQ falls back to eager quantize_dynamic where FX cannot prepare a module
+    eager_fallback = getattr(callback, "mode", "static") != "static" and getattr(callback, "dynamic_fallback", None) == "eager"
     try:
         callback.engine  # resolved lazily; an engine missing here is the callback's own, clear error
         callback.session.dry_run(model, batch_source)
     except DryRunError as exc:
-        return [explain(exc, quant)]
+        return [] if eager_fallback and exc.stage == "prepare" else [explain(exc, quant)]
     except ConfigError as exc:
         return exc.problems
     except TraceError as exc:
-        return [f"quant.modules: {exc}"]
+        return [] if eager_fallback else [f"quant.modules: {exc}"]
     return []
 
 
