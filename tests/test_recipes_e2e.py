@@ -48,7 +48,7 @@ def run_train(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProc
     start = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "qlightning.cli", "train", *args, *COMMON, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        cwd=tmp_path, capture_output=True, text=True, timeout=1800, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     return out, run_dir, time.perf_counter() - start
 
@@ -70,6 +70,7 @@ def assert_complete_run(out: subprocess.CompletedProcess, run_dir: Path, formats
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # minilm_pt2e (convert_pt2e, inductor compiles) went past 900 s at load 7 on 2 cores
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_recipe_runs_end_to_end(name, tmp_path):
     if name.startswith("minilm"):
