@@ -39,3 +39,22 @@ class FidelityError(QLightningError, RuntimeError):
 
 class IncompleteScheduleError(QLightningError, RuntimeError):
     """A fit ended before its QAT schedule quantized anything; converting would ship uninitialised scales."""
+
+
+class ReferenceUnavailableError(QLightningError, RuntimeError):
+    """No q/dq reference graph can express a converted module (e.g. a static custom module such as
+    torch.ao's quantized LSTM): ONNX / ``.pt2`` cannot be built and the parity gate has no int8 reference."""
+
+
+class DryRunError(QLightningError, RuntimeError):
+    """A dry prepare -> forward -> convert -> int8 forward of a target failed (raised before training).
+
+    Attributes:
+        stage: ``"prepare"``, ``"forward"`` (the prepared module), ``"convert"`` or ``"int8 forward"``.
+        target: the submodule name.
+        cause: the engine's (torch.ao / torchao) exception.
+    """
+
+    def __init__(self, stage: str, target: str, cause: BaseException) -> None:
+        self.stage, self.target, self.cause = stage, target, cause
+        super().__init__(f"{target}: {stage} failed: {type(cause).__name__}: {cause}")

@@ -8,6 +8,7 @@ file path works too. Every recipe is checked as data before Hydra sees it.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.metadata
@@ -83,7 +84,9 @@ def find(name_or_path: str) -> Recipe:
         if path.stat().st_size > MAX_BYTES:
             raise ConfigError(f"recipe={name_or_path!r}: {path.stat().st_size} bytes, above the limit of {MAX_BYTES} bytes for a recipe")
         return Recipe(path.stem, path.resolve(), "file")
-    raise ConfigError(f"recipe={name_or_path!r}: unknown recipe; available: {sorted(recipes)} (or give a path to a .yaml file)")
+    close = difflib.get_close_matches(name_or_path, list(recipes), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"recipe={name_or_path!r}: unknown recipe{hint}; available: {sorted(recipes)} (or give a path to a .yaml file)")
 
 
 def load(recipe: Recipe, user_trusted: Iterable[str] = ()) -> DictConfig:

@@ -62,6 +62,11 @@ class SessionCallback:
     def spec(self, value: Any) -> None:
         self.session.spec = value
 
+    def export_limits(self) -> dict[str, str]:
+        """The exports (``onnx``, ``pt2``) and the q/dq ``reference`` the quantized modules cannot have, with why."""
+        self.engine  # resolved on first use
+        return self.session.export_limits()
+
     @property
     def state_key(self) -> str:
         return self._generate_state_key(modules=tuple(self.module_names), backend=self.backend)  # type: ignore[attr-defined]

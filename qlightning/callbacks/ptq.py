@@ -368,7 +368,11 @@ class PostTrainingQuantization(SessionCallback, Callback):
         for name, module in prepared.items():
             self.engine.set_observers(module, False)
             spec = self.details[name].pop("spec")
-            set_submodule(pl_module, name, self.engine.convert(module, spec))
+            # the calibrated module is what ONNX / .pt2 and the gate's int8 reference are built from
+            self.session.observed_modules[name] = copy.deepcopy(module).eval()
+            int8 = self.engine.convert(module, spec)
+            self.session.int8_modules[name] = int8
+            set_submodule(pl_module, name, int8)
 
     def _example_inputs(self, pl_module: "pl.LightningModule", step: Callable[..., Any], first: Any) -> dict[str, Inputs]:
         found = dict(self.example_inputs)

@@ -96,7 +96,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
             of ``qconfig_mapping`` (:func:`qlightning.engines.fx.qconfigs.ptq_qconfig_mapping`), or the
             backend's default PTQ mapping.
         qconfig_presets: ``{name: qconfig spec}`` of named qconfigs a plain-data ``qconfig_mapping``
-            may refer to (config: ``qconfig/*.yaml``), besides the built-in presets.
+            may refer to (config: ``quant.qconfig_presets``), besides the built-in presets.
         equalization: FX input-weight equalization (``"all"``, layer names, ``"selective"`` or a
             ``QConfigMapping``); PTQ only, so a QAT run refuses it with the reason.
         trusted_modules: module prefixes whose classes a plain-data config may name (custom-module

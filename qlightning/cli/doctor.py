@@ -71,7 +71,7 @@ def main(argv: Sequence[str]) -> int:
             from qlightning.config.validate import validate_config
 
             cfg = compose_config(args.overrides, recipe=recipe)
-            problems, callback, model = validate_config(cfg)
+            problems, callback, model = validate_config(cfg, dry_run=False)  # the doctor traces; `recipes validate` dry-runs
             if model is None:
                 raise ConfigError(problems or ["model: could not be built"])
             label = f"recipe {recipe} (model {cfg.model.get('_target_')})"

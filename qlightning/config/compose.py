@@ -14,7 +14,7 @@ from qlightning import recipes_registry
 from qlightning.config import store
 from qlightning.config.allowlist import trusted_from_overrides
 from qlightning.config.schema import TrainConfig
-from qlightning.config.validate import describe, static_problems
+from qlightning.config.validate import describe, static_problems, validate_config
 from qlightning.errors import ConfigError
 
 
@@ -51,13 +51,35 @@ def compose_config(overrides: Sequence[str] = (), recipe: Optional[str] = None) 
         raise ConfigError(first) from None
     finally:
         store.register()
-    problems = schema_errors(untyped)
+    problems, bad = schema_errors(untyped, with_paths=True)
     # the semantic checks that need no schema (targets, Trainer values, interpolations) in the same round
     try:
         problems += [p for p in static_problems(untyped) if p not in problems]
     except Exception:  # an untyped config can hold anything; the schema errors above are the news
         pass
+    # ... and those that need a typed config (callback arguments, schedule order, module names), on the
+    # config without its ill-typed values, so that a user fixes every problem in one round (validate_config
+    # checks every _target_ against the allowlist before it builds anything)
+    try:
+        semantic, _, _ = validate_config(_typed_without(untyped, bad), dry_run=False)
+        problems += [p for p in semantic if p not in problems]
+    except Exception:  # the schema errors above are the news
+        pass
     raise ConfigError(problems or [first]) from None
+
+
+def _typed_without(untyped: DictConfig, bad_paths: list[str]) -> DictConfig:
+    """``untyped`` merged into the schema, leaving out the values at ``bad_paths`` (their defaults stay)."""
+    container = OmegaConf.to_container(untyped, resolve=False)
+    container.pop("hydra", None)
+    for path in bad_paths:
+        *parents, leaf = path.split(".")
+        node: Any = container
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return OmegaConf.merge(OmegaConf.structured(TrainConfig), container)
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -79,12 +101,15 @@ def _leaves(node: Any, schema: Any, path: str) -> list[tuple[str, Any]]:
     return [(path, node)]
 
 
-def schema_errors(untyped: DictConfig) -> list[str]:
-    """Check each value of an untyped config against :class:`TrainConfig` on its own."""
+def schema_errors(untyped: DictConfig, with_paths: bool = False) -> Any:
+    """Check each value of an untyped config against :class:`TrainConfig` on its own.
+
+    Returns the problems, or with ``with_paths`` ``(problems, key paths of the bad values)``.
+    """
     schema = OmegaConf.structured(TrainConfig)
     container = OmegaConf.to_container(untyped, resolve=False)
     container.pop("hydra", None)
-    problems = []
+    problems, bad = [], []
     for path, value in _leaves(container, schema, ""):
         nested: Any = value
         for part in reversed(path.split(".")):
@@ -99,4 +124,5 @@ def schema_errors(untyped: DictConfig) -> list[str]:
                 hint = difflib.get_close_matches(key, [str(k) for k in parent.keys()], n=1)
                 message += f" (did you mean {hint[0]!r}?)" if hint else f"; valid keys: {sorted(parent.keys())}"
             problems.append(message)
-    return problems
+            bad.append(path)
+    return (problems, bad) if with_paths else problems

@@ -90,9 +90,13 @@ def resolve_reference(path: Any, key: str, errors: list[str], trusted: Iterable[
 
 
 def load_presets() -> dict[str, dict]:
-    """The shipped qconfig presets in ``conf/qconfig/*.yaml``, by file name."""
+    """The shipped qconfig presets in ``qlightning/config/qconfig_presets/*.yaml``, by file name.
+
+    They are preset data, not a Hydra config group (a group would be listed by ``qlightning train --help``
+    without being selectable): a config names them in ``quant.qconfig_mapping``.
+    """
     presets = {}
-    for item in importlib.resources.files("qlightning.conf").joinpath("qconfig").iterdir():
+    for item in importlib.resources.files("qlightning.config").joinpath("qconfig_presets").iterdir():
         if item.name.endswith(".yaml"):
             presets[item.name[:-5]] = plain(OmegaConf.create(item.read_text()))
     return presets

@@ -9,6 +9,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from qlightning.core.inputs import resolve_targets
 from qlightning.config.build import build_callback, check_targets, instantiate_checked
 from qlightning.config.checkpoint_check import check_checkpoint
+from qlightning.config.dry_run import dry_run_problems, first_batch
 from qlightning.config.export_schema import check_export_config
 from qlightning.config.qconfig import check_against_model
 from qlightning.config.trainer_check import check_trainer
@@ -90,7 +91,22 @@ def static_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
-def validate_config(cfg: DictConfig) -> tuple[list[str], Any, Any]:
+def export_format_problems(cfg: DictConfig, callback: Any) -> list[str]:
+    """Formats of ``export.formats`` the engine cannot build for this quantization, known before training."""
+    try:
+        limits = callback.export_limits()
+    except Exception:  # an engine that cannot load here is reported when the run needs it
+        return []
+    formats = [str(getattr(f, "value", f)) for f in (cfg.get("export") or {}).get("formats") or []]
+    keep = [f for f in formats if f not in limits]
+    return [
+        f"export.formats: {fmt!r} cannot be built for this model: {limits[fmt]}; leave it out, "
+        f"e.g. export.formats=[{','.join(keep) or 'torchscript'}]"
+        for fmt in formats if fmt in limits
+    ]
+
+
+def validate_config(cfg: DictConfig, dry_run: Optional[bool] = True) -> tuple[list[str], Any, Any]:
     """Returns ``(problems, callback or None, model or None)``.
 
     Checks: the ``_target_``s (by identity, before anything is built), Trainer values,
@@ -98,7 +114,14 @@ def validate_config(cfg: DictConfig) -> tuple[list[str], Any, Any]:
     configs), then — with the model built, no data loaded — that every submodule name, regex and
     class the config mentions exists in the model, and that ``ckpt_path`` is a plain-data
     checkpoint of this very model. A remote ``ckpt_path`` allowed with ``allow_remote_ckpt=true``
-    is downloaded and ``cfg.ckpt_path`` replaced by the local copy.
+    is downloaded and ``cfg.ckpt_path`` replaced by the local copy. When everything else passed, a dry
+    prepare -> forward -> convert -> int8 forward of a copy of the model with the configured engine
+    (:mod:`qlightning.config.dry_run`) reports what torch.ao / torchao would refuse.
+
+    Args:
+        cfg: the composed config.
+        dry_run: ``True`` runs the dry run, ``False`` skips it, ``None`` runs it where it costs
+            seconds (the fx engine; PT2E's ``convert_pt2e`` alone takes tens of seconds).
     """
     static = static_problems(cfg)
     problems = static + check_export_config(cfg)
@@ -110,6 +133,8 @@ def validate_config(cfg: DictConfig) -> tuple[list[str], Any, Any]:
             callback = build_callback(cfg)
         except ConfigError as exc:
             problems.extend(exc.problems)
+        if callback is not None:
+            problems.extend(export_format_problems(cfg, callback))
     if not static:  # nothing is instantiated unless every _target_ and value passed
         try:
             model = instantiate_checked(cfg.model, "model")
@@ -126,6 +151,9 @@ def validate_config(cfg: DictConfig) -> tuple[list[str], Any, Any]:
             problems.extend(check_against_model({t: model.get_submodule(t) for t in targets}, cfg.quant))
         except ConfigError as exc:
             problems.extend(exc.problems)
+    engine = str(getattr(cfg.quant.get("engine"), "value", cfg.quant.get("engine"))) if model is not None else None
+    if model is not None and callback is not None and not problems and (dry_run or (dry_run is None and engine == "fx")):
+        problems.extend(dry_run_problems(cfg, callback, model, first_batch(cfg)))
     if cfg.get("ckpt_path") is not None and not problems:
         problems.extend(check_checkpoint(cfg, model, lambda: build_callback(cfg)))
     elif cfg.get("ckpt_path") is not None:

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
-from qlightning.core.inputs import Inputs, example_inputs_for, resolve_targets, tile_inputs
+from qlightning.core.inputs import Inputs, example_inputs_for, positional_args, resolve_targets, tile_inputs
 from qlightning.core.schedule import Phase
 from qlightning.engines import QuantEngine, QuantSpec
-from qlightning.errors import ConfigError
+from qlightning.errors import ConfigError, DryRunError, ReferenceUnavailableError, TraceError
 from qlightning.quantize.calibration import float_module_from
 from qlightning.quantize.lowering import BUILDERS, CANDIDATES, LoweringChoice, LoweringContext, choose_lowering
 from qlightning.quantize.ptq import ptq_baseline
@@ -114,6 +114,9 @@ class QuantSession:
         #: float copies kept by a PTQ run (its fp32 baseline)
         self.float_modules: dict[str, nn.Module] = {}
         self.fake_quant_modules: dict[str, nn.Module] = {}
+        #: a PTQ run's calibrated (observed) module of each target, kept before converting: what its
+        #: q/dq reference graph (ONNX, .pt2, the parity gate's int8 reference) is built from
+        self.observed_modules: dict[str, nn.Module] = {}
         #: the engine's converted module of each target (what TorchScript exports), whatever runs in its place
         self.int8_modules: dict[str, nn.Module] = {}
         #: per target, the runtime kept and every candidate's latency and parity (``lowering != "fx"``)
@@ -162,6 +165,40 @@ class QuantSession:
     def modules(self, root: nn.Module) -> dict[str, nn.Module]:
         """The target submodules as they are in ``root`` now."""
         return {name: root.get_submodule(name) for name in self.targets}
+
+    def dry_run(self, root: nn.Module, batch_source: Optional[Callable[[], Any]] = None) -> None:
+        """Prepare -> one quantized forward -> convert -> one int8 forward of every target, on a copy of ``root``.
+
+        What a run would do at fit start and fit end, in seconds and before any training step, so that
+        an engine's refusal (a qconfig mapping torch.ao cannot fuse, a custom module it cannot convert)
+        is known up front. ``root`` and this session are left untouched. Raises :class:`DryRunError`
+        (stage, target, the engine's exception); :class:`ConfigError` and trace errors pass as they are.
+        """
+        trial = QuantSession(self.engine, self.spec, self.module_names, self.example_inputs, keep_fake_quant=False, kind=self.kind)
+        copy_ = copy.deepcopy(root)
+        trial.targets = trial.resolve(copy_)
+        trial.capture(copy_, batch_source)
+        phase = Phase(fake_quant=self.kind == "qat", observe=True, bn_frozen=False)
+        for name in trial.targets:
+            stage = "prepare"
+            try:
+                prepared = self.engine.prepare(copy_.get_submodule(name), trial.inputs[name], self.spec)
+                set_submodule(copy_, name, prepared)
+                stage = "forward"
+                self.engine.set_phase(prepared, phase)
+                with torch.no_grad():  # two rows: BatchNorm in training mode needs more than one value per channel
+                    prepared(*positional_args(prepared, tile_inputs(trial.inputs[name], 2)))
+                stage = "convert"
+                self.engine.set_observers(prepared, False)
+                int8 = self.engine.convert(prepared, self.spec)
+                stage = "int8 forward"
+                if not self.engine.takes_quantized_inputs(self.spec):  # float example inputs would not fit
+                    with torch.no_grad():
+                        int8(*positional_args(int8, trial.inputs[name]))
+            except (ConfigError, TraceError):
+                raise
+            except Exception as exc:  # the engine's (torch.ao / torchao) own exception, whatever its type
+                raise DryRunError(stage, name, exc) from exc
 
     # ------------------------------------------------------------------ phases
 
@@ -245,15 +282,27 @@ class QuantSession:
                 set_submodule(root, name, self.lower(name, int8, lowering, candidates, batch_size, min_sqnr_db, on_choice))
         self.converted = True
 
+    def export_limits(self) -> dict[str, str]:
+        """The exports (``onnx``, ``pt2``) and the q/dq ``reference`` this session's modules cannot have, with why."""
+        return self.engine.export_limits(self.spec)
+
     def reference_module(self, name: str) -> nn.Module:
         """The q/dq graph that computes what the int8 module ``name`` computes (exports, lowering)."""
-        fake_quant = self.fake_quant_modules.get(name)
-        if fake_quant is None and self.engine.name == "fx":
+        limit = self.export_limits().get("reference")
+        if limit is not None:
+            raise ReferenceUnavailableError(f"{name}: no q/dq reference graph: {limit}")
+        prepared = self.fake_quant_modules.get(name, self.observed_modules.get(name))
+        if prepared is None and self.engine.name == "fx":
+            how = ("a PTQ run keeps it only for static quantization (mode='static')" if self.kind == "ptq" else
+                   "construct QuantizationAwareTraining with keep_fake_quant=True (the default)")
             raise ConfigError(
-                f"{name}: ONNX and .pt2 exports are built from the fake-quant copy of the module, which was not kept; "
-                "construct QuantizationAwareTraining with keep_fake_quant=True (the default)"
+                f"{name}: ONNX and .pt2 exports (and the parity gate's int8 reference) are built from the prepared "
+                f"module before conversion, which was not kept; {how}"
             )
-        return self.engine.reference_module(fake_quant, self.int8_modules[name], self.spec)
+        int8 = self.int8_modules.get(name)
+        if int8 is None:
+            raise ConfigError(f"{name}: not converted by this session, so it has no q/dq reference")
+        return self.engine.reference_module(prepared, int8, self.spec)
 
     def lower(
         self, name: str, int8: nn.Module, lowering: str, candidates: Optional[Sequence[str]] = None,

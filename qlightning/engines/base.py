@@ -107,6 +107,15 @@ class QuantEngine(ABC):
         """Whether modules converted with ``spec`` take int8 tensors (not float) as inputs."""
         return False
 
+    def export_limits(self, spec: QuantSpec) -> dict[str, str]:
+        """What a module converted with ``spec`` cannot have, each with the reason (empty: everything).
+
+        Keys: ``"reference"`` (no q/dq reference graph computes what the int8 module computes, so
+        neither ONNX nor ``.pt2`` can be built and the parity gate has no int8 reference), ``"onnx"``,
+        ``"pt2"``. Known before anything is prepared, so a run can refuse such a format before training.
+        """
+        return {}
+
     def reference_module(self, prepared: nn.Module, int8: nn.Module, spec: Optional[QuantSpec]) -> nn.Module:
         """A float graph of quantize/dequantize ops that computes what ``int8`` computes.
 

@@ -365,6 +365,11 @@ def qparams_summary(program: Any) -> dict[str, Any]:
             continue
         if node.target in ops["q_tensor"]:
             scale, zp, qmin, qmax, dtype = (value(a) for a in node.args[1:6])
+            if isinstance(scale, torch.fx.Node) or isinstance(zp, torch.fx.Node):
+                # dynamic quantization (e.g. a dynamic int8 LSTM): choose_qparams computes them per call
+                activations.append({"after": label(node.args[0]), "scale": "dynamic", "zero_point": "dynamic",
+                                    "dtype": str(dtype).replace("torch.", "")})
+                continue
             activations.append(
                 {
                     "after": label(node.args[0]),

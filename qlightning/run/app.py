@@ -64,7 +64,7 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
     """
     start = time.perf_counter()
     run_dir = Path(run_dir)
-    errors, callback, _ = validate_config(cfg)
+    errors, callback, _ = validate_config(cfg, dry_run=None)  # the dry run where it costs seconds (fx)
     if errors:
         raise ConfigError(errors)
 

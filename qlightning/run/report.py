@@ -395,6 +395,7 @@ def markdown_sections(report: dict[str, Any]) -> str:
             + (": against the float QAT-trained weights, what quantization costs; the trained weights against the "
                "float snapshot, how far training moved them (drift, not a quantization error)." if drift else "."),
         ]
+        lines += [f"Not checked: {what}: {why}." for what, why in (parity.get("not_checked") or {}).items()]
     layers = report.get("layers") or []
     if layers:
         lines += ["", "## Per-layer SQNR", ""] + per_layer_lines(report)

@@ -131,6 +131,27 @@ def clamp_activations(gm: torch.fx.GraphModule, ranges: dict[tuple[float, int], 
     return count
 
 
+def _static_custom_modules(config: Any) -> list[str]:
+    """Observed -> quantized class names of the static custom module pairs of a ``ConvertCustomConfig``."""
+    mapping = getattr(config, "observed_to_quantized_mapping", None) or {}
+    with quiet_torch_ao():
+        from torch.ao.quantization.quant_type import QuantType
+    return sorted(f"{o.__module__}.{o.__qualname__} -> {q.__module__}.{q.__qualname__}" for o, q in (mapping.get(QuantType.STATIC) or {}).items())
+
+
+def _has_dynamic_qconfig(mapping: Any) -> bool:
+    """Whether any qconfig of a ``QConfigMapping`` quantizes activations dynamically."""
+    if mapping is None:
+        return False
+    with quiet_torch_ao():
+        from torch.ao.quantization.utils import activation_is_dynamically_quantized
+    qconfigs = [getattr(mapping, "global_qconfig", None)]
+    for attr in ("object_type_qconfigs", "module_name_qconfigs", "module_name_regex_qconfigs",
+                 "module_name_object_type_order_qconfigs"):
+        qconfigs += list((getattr(mapping, attr, None) or {}).values())
+    return any(q is not None and activation_is_dynamically_quantized(q) for q in qconfigs)
+
+
 class FxEngine(QuantEngine):
     """torch.ao FX graph mode: fuse + trace + insert fake-quant, then ``convert_fx`` and lower.
 
@@ -203,6 +224,24 @@ class FxEngine(QuantEngine):
     def takes_quantized_inputs(self, spec: QuantSpec) -> bool:
         config = spec.prepare_custom_config
         return bool(getattr(config, "input_quantized_indexes", None))
+
+    def export_limits(self, spec: QuantSpec) -> dict[str, str]:
+        limits: dict[str, str] = {}
+        static_custom = _static_custom_modules(spec.convert_custom_config)
+        if static_custom:
+            # measured on lstm_static: the decomposed reference hands the quantized LSTM float tensors
+            # ("Could not run 'quantized::linear' ... from the 'CPU' backend") and torch.export cannot
+            # capture its packed params
+            reason = (f"the static custom module(s) {static_custom} run torch.ao's quantized kernels on quantized "
+                      "tensors, which a float q/dq graph cannot express")
+            limits.update(reference=reason, onnx=reason, pt2=reason)
+        if _has_dynamic_qconfig(spec.qconfig_mapping):
+            # the q/dq program then holds quantized_decomposed.choose_qparams (scales computed per call)
+            limits.setdefault("onnx", "dynamic quantization computes its activation scales per call "
+                                      "(quantized_decomposed.choose_qparams), which the ONNX exporter cannot translate")
+            limits.setdefault("pt2", "dynamic quantization computes its activation scales per call, and the .pt2 "
+                                     "writer needs constant q/dq parameters")
+        return limits
 
     def reference_module(self, prepared: nn.Module, int8: nn.Module, spec: Optional[QuantSpec]) -> nn.Module:
         if spec is None:
