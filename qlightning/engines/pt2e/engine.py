@@ -463,6 +463,43 @@ def _eliminate_dead_code(gm: torch.fx.GraphModule) -> int:
     return before - len(gm.graph.nodes)
 
 
+def _split_call_sites(gm: torch.fx.GraphModule, source: nn.Module) -> list[str]:
+    """Give each call of a stateless module called at several sites its own partition; return their names.
+
+    torch.export records the call sites of one module as ``nn_module_stack`` keys ``L__self__relu``,
+    ``L__self__relu@1``, ... but with the same module name in each, and ``get_source_partitions``
+    (what ``X86InductorQuantizer`` annotates by) groups a leaf module's nodes by that name: a
+    torchvision ``BasicBlock``, which calls one ``self.relu`` twice, became one ReLU partition with
+    two outputs and ``prepare_qat_pt2e`` failed with "Input partition has more than one output node"
+    (pytorch/ao#4478). Renaming the innermost entry of the second and later calls to ``relu@1``, ...
+    is what giving each call site its own copy of the module would do, without touching the model;
+    the outer entries (``layer1.0``) keep their names, so module-name qconfigs of a parent still
+    match. Only modules without parameters or buffers of their own are split (a reused stateful
+    module shares its weights between its sites).
+    """
+    split: set[str] = set()
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        key, value = list(stack.items())[-1]
+        fqn, cls = value
+        _, sep, index = str(key).rpartition("@")
+        if not sep or not index.isdigit() or str(fqn).endswith(f"@{index}"):
+            continue
+        try:
+            called = source.get_submodule(str(fqn))
+        except AttributeError:
+            continue
+        if any(True for _ in called.parameters()) or any(True for _ in called.buffers()):
+            continue
+        stack = dict(stack)
+        stack[key] = (f"{fqn}@{index}", cls)
+        node.meta["nn_module_stack"] = stack
+        split.add(str(fqn))
+    return sorted(split)
+
+
 def _drop_unused_attributes(gm: torch.fx.GraphModule) -> list[str]:
     """Delete the parameters, buffers and tensor attributes no ``get_attr`` node reads; return their names.
 
@@ -504,7 +541,9 @@ class Pt2eEngine(QuantEngine):
     ``quantize_embeddings`` (default ``False``: also store ``aten.embedding`` tables as uint8 rows, torchao's
     ``EmbeddingQuantizer`` composed before the x86 quantizer; weight-only, observed on the final weights),
     ``fold_quantize`` (default ``True``, passed to ``convert_pt2e``), ``fast_fold`` (default
-    ``True``: the conv-bn fuse/fold described in the module docstring; ``False`` runs torchao's own).
+    ``True``: the conv-bn fuse/fold described in the module docstring; ``False`` runs torchao's own),
+    ``split_call_sites`` (default ``True``: each call of a stateless module called at several sites is
+    annotated on its own, see :func:`_split_call_sites`).
 
     Example::
 
@@ -688,6 +727,8 @@ class Pt2eEngine(QuantEngine):
             ) from exc
         graph = exported.module()
         _eliminate_dead_code(graph)
+        if spec.options.get("split_call_sites", True):
+            _split_call_sites(graph, module)
         prepare = self.ao.prepare_qat_pt2e if spec.is_qat else self.ao.prepare_pt2e
         try:
             with self._patched("_fuse_conv_bn_qat", _fast_fuse_conv_bn_qat, spec.options.get("fast_fold", True)):
