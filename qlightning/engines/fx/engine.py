@@ -8,7 +8,7 @@ torch lacks it, constructing :class:`FxEngine` raises a clear
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -125,6 +125,47 @@ def clamp_activations(gm: torch.fx.GraphModule, ranges: dict[tuple[float, int], 
             clamp = gm.graph.call_function(torch.clamp, (node,), {"min": (qmin - zero_point) * scale, "max": (qmax - zero_point) * scale})
         clamp.meta[CLAMP_META] = True  # part of the layer's requantization (qlightning.parity.layer_nodes)
         node.replace_all_uses_with(clamp, delete_user_cb=lambda user: user is not clamp)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+_SPATIAL_DIMS = ((2, 3), (3, 2), (-2, -1), (-1, -2))
+
+
+def global_spatial_mean(x: torch.Tensor, dims: List[int]) -> torch.Tensor:
+    """``x.mean(dims)`` over the two spatial dims of an NCHW tensor, through average pooling when ``x`` is quantized.
+
+    torch's quantized ``mean`` over dims [2, 3] of a 1x1 feature map (torchvision's ShuffleNetV2 at
+    32x32 input, ``x.mean([2, 3])`` before ``fc``) raises "required rank 4 tensor to use channels_last
+    format" (it keeps the input's channels_last layout for the rank-2 result). ``adaptive_avg_pool2d``
+    to 1x1 then ``flatten`` computes the same mean with the same qparams. TorchScript-compatible.
+    """
+    if x.is_quantized and x.dim() == 4:
+        return torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1)
+    return x.mean(dims)
+
+
+def pool_spatial_means(gm: torch.fx.GraphModule) -> int:
+    """Route ``mean`` over the spatial dims (keepdim false) of a converted graph through
+    :func:`global_spatial_mean`; return how many nodes were rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        is_method = node.op == "call_method" and node.target == "mean"
+        is_function = node.op == "call_function" and node.target is torch.mean
+        if not (is_method or is_function) or len(node.args) != 2 or node.kwargs.get("keepdim", False):
+            continue
+        if set(node.kwargs) - {"keepdim"}:
+            continue
+        dims = node.args[1]
+        if not isinstance(dims, (list, tuple)) or tuple(dims) not in _SPATIAL_DIMS:
+            continue
+        with gm.graph.inserting_after(node):
+            pooled = gm.graph.call_function(global_spatial_mean, (node.args[0], list(dims)))
+        pooled.meta = dict(node.meta)
+        node.replace_all_uses_with(pooled)
+        gm.graph.erase_node(node)
         count += 1
     if count:
         gm.recompile()
@@ -342,6 +383,8 @@ class FxEngine(QuantEngine):
                 clamp_quantized_weights(names[name], low, high)
         if narrowed and spec.options.get("clamp_activations", True):
             clamp_activations(converted, narrowed)
+        if spec.options.get("pool_spatial_means", True):
+            pool_spatial_means(converted)
         return converted
 
     def quant_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
