@@ -62,3 +62,44 @@ def test_float_means_are_unchanged():
     assert torch.equal(global_spatial_mean(x, [2, 3]), x.mean([2, 3]))
     y = torch.randn(2, 3, 4)
     assert torch.equal(global_spatial_mean(y, [-2, -1]), y.mean([-2, -1]))
+
+
+def test_stochastic_depth_follows_eval_after_tracing():
+    """torchvision's StochasticDepth passes ``self.training`` to a wrapped function: traced in train mode,
+    the prepared and int8 models kept dropping the residual branch at random in eval (efficientnet_b0)."""
+    torchvision = pytest.importorskip("torchvision", reason="torchvision is not importable beside this torch")
+    from torchvision.ops import StochasticDepth
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+            self.drop = StochasticDepth(0.5, "row")
+
+        def forward(self, x):
+            return self.drop(self.conv(x)) + x
+
+    def fit(options: dict):
+        torch.manual_seed(0)
+        engine, x = get_engine("fx"), torch.randn(16, 4, 6, 6)
+        spec = QuantSpec(backend="x86", options=options)
+        prepared = engine.prepare(Block().train(), Inputs((x,)), spec)
+        engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
+        for _ in range(3):
+            prepared(x)
+        engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
+        prepared.eval()
+        with torch.no_grad():
+            return prepared, x, prepared(x), prepared(x)
+
+    _, _, a, b = fit({"leaf_mode_modules": False})
+    assert not torch.equal(a, b), "upstream behaviour changed: the traced stochastic depth no longer stays on in eval"
+    prepared, x, a, b = fit({})
+    assert torch.equal(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        int8 = get_engine("fx").convert(prepared, QuantSpec(backend="x86"))
+    with torch.no_grad():
+        out = int8(x)
+    sqnr = 10 * torch.log10(a.pow(2).mean() / (a - out).pow(2).mean())
+    assert sqnr > 25, f"int8 vs fake-quant {sqnr:.1f} dB"

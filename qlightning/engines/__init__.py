@@ -18,6 +18,7 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "fast_prepare": (bool, "skip torch.ao's throw-away observer constructions in prepare (default true)"),
         "clamp_activations": (bool, "convert clamps int8 activations to the fake-quant's range, e.g. reduce_range 0..127 (default true)"),
         "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),
+        "leaf_mode_modules": (bool, "modules whose traced forward would bake self.training in (torchvision StochasticDepth) stay leaves (default true)"),
         "pool_spatial_means": (bool, "int8 x.mean([2, 3]) runs as adaptive_avg_pool2d + flatten (torch's quantized mean fails on 1x1 maps; default true)"),
     },
     "pt2e": {

@@ -172,6 +172,26 @@ def pool_spatial_means(gm: torch.fx.GraphModule) -> int:
     return count
 
 
+def mode_dependent_modules(module: nn.Module) -> dict[str, type]:
+    """``{name: class}`` of the submodules whose forward reads ``self.training`` in a way tracing bakes in.
+
+    torchvision's ``StochasticDepth`` (EfficientNet, ConvNeXt, Swin) calls the FX-wrapped
+    ``torchvision.ops.stochastic_depth(input, p, mode, self.training)``: a trace in train mode records
+    ``training=True`` as a constant, so the prepared and the int8 model kept dropping residual
+    branches at random in eval, and int8 vs fake-quant compared two random draws (efficientnet_b0:
+    8 dB at 32x32). Only classes of modules already imported are looked for (nothing is imported).
+    """
+    import sys
+
+    classes = []
+    ops = sys.modules.get("torchvision.ops.stochastic_depth")
+    if ops is not None and isinstance(getattr(ops, "StochasticDepth", None), type):
+        classes.append(ops.StochasticDepth)
+    if not classes:
+        return {}
+    return {name: type(m) for name, m in module.named_modules() if isinstance(m, tuple(classes))}
+
+
 class FxEngine(QuantEngine):
     """torch.ao FX graph mode: fuse + trace + insert fake-quant, then ``convert_fx`` and lower.
 
@@ -260,7 +280,10 @@ class FxEngine(QuantEngine):
         kwargs: dict[str, Any] = {
             "qconfig_mapping": mapping,
             "example_inputs": positional_args(module, inputs),
-            "prepare_custom_config": self._with_standalone_inputs(module, inputs, spec.prepare_custom_config),
+            "prepare_custom_config": self._with_leaf_mode_modules(
+                module, self._with_standalone_inputs(module, inputs, spec.prepare_custom_config),
+                spec.options.get("leaf_mode_modules", True),
+            ),
             "backend_config": self.backend_config(spec),
         }
         if not spec.is_qat and spec.options.get("equalization_config") is not None:
@@ -305,6 +328,20 @@ class FxEngine(QuantEngine):
                     mapping.module_name_qconfigs[name] = qconfig
                     break
         return mapping
+
+    def _with_leaf_mode_modules(self, module: nn.Module, config: Any, enabled: bool) -> Any:
+        """Keep the modules of :func:`mode_dependent_modules` as leaves (non-traceable, float), so their
+        ``train()`` / ``eval()`` still switch them."""
+        classes = sorted(set(mode_dependent_modules(module).values()), key=lambda c: c.__qualname__) if enabled else []
+        if not classes:
+            return config
+        with quiet_torch_ao():
+            from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
+        config = copy.copy(config) if config is not None else PrepareCustomConfig()
+        config.non_traceable_module_classes = list(config.non_traceable_module_classes) + [
+            c for c in classes if c not in config.non_traceable_module_classes
+        ]
+        return config
 
     def _with_standalone_inputs(self, module: nn.Module, inputs: Inputs, config: Any) -> Any:
         """Standalone modules are prepared with their own example inputs: capture them from a real forward."""
