@@ -598,3 +598,36 @@ def test_a_relu_called_twice_prepares_converts_and_matches_fake_quant(engine):
         out = int8(x)
     sqnr = 10 * torch.log10(fake_quant.pow(2).mean() / (fake_quant - out).pow(2).mean())
     assert sqnr > 25, f"int8 vs fake-quant {sqnr:.1f} dB"
+
+
+def test_stochastic_depth_is_off_in_eval_after_export(engine):
+    """torchvision's StochasticDepth exported in train mode kept its bernoulli draws: eval() still dropped the
+    residual branch at random (efficientnet_b0 int8 vs fake-quant compared two random draws)."""
+    pytest.importorskip("torchvision", reason="torchvision is not importable beside this torch")
+    from torchvision.ops import StochasticDepth
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+            self.drop = StochasticDepth(0.5, "row")
+
+        def forward(self, x):
+            return self.drop(self.conv(x)) + x
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 4, 6, 6)
+    stock = engine.prepare(Block().train(), Inputs((x,)), QuantSpec(backend="x86", options={"dropout_stochastic_depth": False}))
+    frozen = Phase(fake_quant=True, observe=False, bn_frozen=True)
+    engine.set_phase(stock, frozen)
+    stock.eval()
+    with torch.no_grad():
+        assert not torch.equal(stock(x), stock(x)), "upstream behaviour changed: eval no longer draws"
+    block = Block().train()
+    prepared = engine.prepare(block, Inputs((x,)), QuantSpec(backend="x86"))
+    assert "forward" not in vars(block.drop)  # the module itself is left as it was
+    engine.set_phase(prepared, frozen)
+    with torch.no_grad():
+        assert not torch.equal(prepared(x), prepared(x))  # training: the branch is dropped at random
+        prepared.eval()
+        assert torch.equal(prepared(x), prepared(x))

@@ -27,6 +27,7 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "dynamic_dims": (list, "further input dims exported as dynamic, e.g. [1] for a sequence (default [])"),
         "fold_quantize": (bool, "convert_pt2e stores int8 weights (default true)"),
         "fast_fold": (bool, "conv-bn fuse/fold only for the variants in the graph (default true)"),
+        "dropout_stochastic_depth": (bool, "torchvision StochasticDepth exported as a dropout, so eval() turns it off (default true)"),
         "split_call_sites": (bool, "each call of a stateless module called at several sites (BasicBlock's relu) is its own partition (default true)"),
         "quantize_embeddings": (bool, "embedding tables stored as weight-only uint8 rows (torchao EmbeddingQuantizer; default false)"),
     },

@@ -463,6 +463,41 @@ def _eliminate_dead_code(gm: torch.fx.GraphModule) -> int:
     return before - len(gm.graph.nodes)
 
 
+@contextlib.contextmanager
+def _stochastic_depth_as_dropout(module: nn.Module, enabled: bool = True) -> Iterator[list[str]]:
+    """While exporting, run torchvision's ``StochasticDepth`` as ``x * dropout(ones)``; yield the module names.
+
+    ``torchvision.ops.stochastic_depth`` draws its noise with ``bernoulli_`` when ``training`` is true:
+    exported in train mode (QAT), those draws stay in the graph, so ``eval()`` kept dropping residual
+    branches at random (efficientnet_b0: int8 vs fake-quant compared two random draws). The same
+    noise as ``dropout`` of a ones tensor of shape [N, 1, ...] ("row") or [1, ...] ("batch") is an
+    ``aten.dropout`` node, which ``train()`` / ``eval()`` switch (:func:`_rewrite_modes`). Only the
+    instance's ``forward`` is overridden, and restored after the export.
+    """
+    import sys
+
+    ops = sys.modules.get("torchvision.ops.stochastic_depth")
+    cls = getattr(ops, "StochasticDepth", None) if ops is not None else None
+    found = [(n, m) for n, m in module.named_modules() if enabled and isinstance(cls, type) and isinstance(m, cls)]
+
+    def as_dropout(m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if not m.training or m.p == 0.0:
+                return x
+            shape = [x.shape[0]] + [1] * (x.dim() - 1) if m.mode == "row" else [1] * x.dim()
+            return x * nn.functional.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), m.p, True)
+
+        return forward
+
+    for _, m in found:
+        m.forward = as_dropout(m)  # type: ignore[method-assign]
+    try:
+        yield [n for n, _ in found]
+    finally:
+        for _, m in found:
+            m.__dict__.pop("forward", None)
+
+
 def _split_call_sites(gm: torch.fx.GraphModule, source: nn.Module) -> list[str]:
     """Give each call of a stateless module called at several sites its own partition; return their names.
 
@@ -542,6 +577,8 @@ class Pt2eEngine(QuantEngine):
     ``EmbeddingQuantizer`` composed before the x86 quantizer; weight-only, observed on the final weights),
     ``fold_quantize`` (default ``True``, passed to ``convert_pt2e``), ``fast_fold`` (default
     ``True``: the conv-bn fuse/fold described in the module docstring; ``False`` runs torchao's own),
+    ``dropout_stochastic_depth`` (default ``True``: torchvision's ``StochasticDepth`` is exported as a
+    dropout, so ``eval()`` turns it off, see :func:`_stochastic_depth_as_dropout`),
     ``split_call_sites`` (default ``True``: each call of a stateless module called at several sites is
     annotated on its own, see :func:`_split_call_sites`).
 
@@ -718,7 +755,8 @@ class Pt2eEngine(QuantEngine):
             module, inputs, spec.options.get("dynamic_batch", True), tuple(spec.options.get("dynamic_dims", ()))
         )
         try:
-            exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic)
+            with _stochastic_depth_as_dropout(module, spec.options.get("dropout_stochastic_depth", True)):
+                exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic)
         except Exception as exc:  # torch.export raises many kinds (UserError, Unsupported, TypeError, ...)
             raise TraceError(
                 f"torch.export could not capture {type(module).__name__}: {type(exc).__name__}: {str(exc)[:2000]}. "
