@@ -83,7 +83,27 @@ MODELS: dict[str, ZooModel] = {
 # What the product must say about a model x engine that does not meet the targets: the status of the
 # case, regexes its refusal or warnings must match (module / op and the config that routes around it),
 # a note for the README table; "xfail": a precise reason naming the upstream issue.
-KNOWN: dict[tuple[str, str], dict[str, Any]] = {}
+_GATE_NAMES_THE_ROUTE = [
+    r"int8 model departs from the fake-quant model",  # the fit-end fidelity gate (on_breach=warn here)
+    r"first departing layer: \S+",  # the layer
+    r"qconfig_mapping \{'module_name': \[\{'name': '[^']+', 'qconfig': None\}\]\}",  # the config around it
+]
+KNOWN: dict[tuple[str, str], dict[str, Any]] = {
+    ("mobilenet_v3_small", "fx"): {
+        "status": "below target",
+        "says": _GATE_NAMES_THE_ROUTE,
+        "note": "int8 vs fake-quant below 25 dB (Hardswish / Hardsigmoid SE blocks under torch.ao FX; unresolved); "
+                "the gate warns and names a layer, but its per-layer SQNR reads -0 dB from the first conv on "
+                "(the per-layer matcher misreads this graph)",
+    },
+}
+
+
+# Notes for rows that meet the targets but leave something out (shown in the README table).
+NOTES: dict[tuple[str, str], str] = {
+    ("vit_small_tv", "fx"): "nn.MultiheadAttention stays float (a torch.nn leaf without an FX int8 pattern; "
+                            "not routed through torch.ao's quantizable MultiheadAttention)",
+}
 
 
 # ----------------------------------------------------------------------------------------- data

@@ -40,10 +40,10 @@ def _ms(a: Optional[float], b: Optional[float]) -> str:
 
 
 def outcome(row: dict[str, Any]) -> str:
-    from tests.zoo.harness import KNOWN
+    from tests.zoo.harness import KNOWN, NOTES
 
     known = KNOWN.get((row["model"], row["engine"]), {})
-    note = known.get("note", "")
+    note = known.get("note", "") if row["status"] != "works" else NOTES.get((row["model"], row["engine"]), "")
     if row["status"] == "works":
         text = "works"
         if row.get("options"):

@@ -34,10 +34,10 @@ def test_zoo_model_through_engine(model: str, engine: str) -> None:
                f"{result.top1_agreement}, fit {result.fit_s} s; {result.message}")
     print(summary)
     known = KNOWN.get((model, engine))
-    if known is None:
-        assert result.status == "works", summary
+    if result.status == "works":  # meets the targets (a known row that starts to meet them is fine too)
         assert result.sqnr_db >= TARGET_SQNR_DB and result.top1_agreement >= TARGET_TOP1, summary
         return
+    assert known is not None, f"not in harness.KNOWN, and below the targets: {summary}"
     if known.get("xfail"):
         pytest.xfail(known["xfail"])
     said = "\n".join([result.message, *result.warnings])
