@@ -103,3 +103,15 @@ def test_stochastic_depth_follows_eval_after_tracing():
         out = int8(x)
     sqnr = 10 * torch.log10(a.pow(2).mean() / (a - out).pow(2).mean())
     assert sqnr > 25, f"int8 vs fake-quant {sqnr:.1f} dB"
+
+
+@pytest.mark.parametrize("engine_name", ["fx", "pt2e"])
+def test_zero_initialised_batch_norm_is_refused_naming_it(engine_name):
+    """timm ResNets zero-init the last BatchNorm of each block: QAT conv-bn fusion divides by gamma (NaN
+    from the first step, then torch's "zero_point must be between quant_min and quant_max")."""
+    from qlightning import ConfigError
+
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    nn.init.zeros_(net[1].weight)
+    with pytest.raises(ConfigError, match=r"gamma\) is exactly 0 in 1 \(4 of 4 channels\).*zero_init_last=False"):
+        get_engine(engine_name).prepare(net.train(), Inputs((torch.randn(2, 3, 6, 6),)), QuantSpec(backend="x86"))

@@ -88,7 +88,15 @@ _GATE_NAMES_THE_ROUTE = [
     r"first departing layer: \S+",  # the layer
     r"qconfig_mapping \{'module_name': \[\{'name': '[^']+', 'qconfig': None\}\]\}",  # the config around it
 ]
+_ZERO_GAMMA = {
+    "status": "refused",
+    "says": [r"BatchNorm weight \(gamma\) is exactly 0 in \S+", r"zero_init_last=False"],
+    "note": "timm zero-inits each block's last BatchNorm (zero_init_last=True); QAT conv-bn fusion divides by "
+            "gamma, so prepare refuses, naming the BatchNorms and `zero_init_last=False`",
+}
 KNOWN: dict[tuple[str, str], dict[str, Any]] = {
+    ("timm_resnet10t", "fx"): _ZERO_GAMMA,
+    ("timm_resnet10t", "pt2e"): _ZERO_GAMMA,
     ("mobilenet_v3_small", "fx"): {
         "status": "below target",
         "says": _GATE_NAMES_THE_ROUTE,

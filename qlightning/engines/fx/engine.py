@@ -15,7 +15,7 @@ from torch import nn
 
 from qlightning.core.inputs import Inputs, capture_inputs, positional_args
 from qlightning.core.schedule import Phase
-from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, quantized_engine, settle_fake_quant_state, trained_qparams
+from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, quantized_engine, settle_fake_quant_state, trained_qparams
 from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao
 from qlightning.engines.fx.prepare import faster_prepare
 from qlightning.engines.fx.fast_fq import swap_fake_quant
@@ -273,6 +273,8 @@ class FxEngine(QuantEngine):
 
     def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
         quantized_engine(spec.backend)
+        if spec.is_qat:
+            check_batch_norm_gammas(module)
         mapping = spec.qconfig_mapping if spec.qconfig_mapping is not None else self.default_qconfig_mapping(spec)
         mapping = self._expand_regex(module, mapping)
         prepare = self.ao.prepare_qat_fx if spec.is_qat else self.ao.prepare_fx

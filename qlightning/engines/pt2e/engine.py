@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, settle_fake_quant_state, trained_qparams
+from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, check_batch_norm_gammas, settle_fake_quant_state, trained_qparams
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
 from qlightning.core.schedule import Phase
 
@@ -749,6 +749,8 @@ class Pt2eEngine(QuantEngine):
 
     def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
         self.check_spec(spec)
+        if spec.is_qat:
+            check_batch_norm_gammas(module)
         quantizer = self.quantizer(spec)
         module.train(spec.is_qat)
         args, kwargs, dynamic = self.export_inputs(
