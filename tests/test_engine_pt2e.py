@@ -17,6 +17,7 @@ import lightning.pytorch as pl  # noqa: E402
 
 from qlightning import ConfigError, EngineUnavailableError, Inputs, Phase, QuantizationAwareTraining, QuantSpec  # noqa: E402
 from qlightning.engines import get_engine  # noqa: E402
+from qlightning.errors import TraceError  # noqa: E402
 from qlightning.examples.digits import DigitsClassifier, DigitsCNN, DigitsDataModule  # noqa: E402
 
 FLOAT = Phase(fake_quant=False, observe=False, bn_frozen=False)
@@ -554,3 +555,79 @@ def test_quantize_embeddings_stores_uint8_rows_observed_on_the_final_weights(eng
     # (pre-training) range would clamp the tripled rows by about two thirds of their extremes (~80 steps)
     step = (expected.amax(-1, keepdim=True) - expected.amin(-1, keepdim=True)) / 255
     assert ((got - expected).abs() <= 1.5 * step).all()
+
+
+# ----------------------------------------------------------------------------- a module called at several sites
+
+
+class ReusedReluBlock(nn.Module):
+    """torchvision's BasicBlock in small: one ``self.relu`` called after the first conv and after the add."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + x)
+
+
+def test_a_relu_called_twice_prepares_converts_and_matches_fake_quant(engine):
+    """pytorch/ao#4478: X86InductorQuantizer merged both calls of ``self.relu`` into one partition with two
+    outputs ("Input partition has more than one output node"); each call site is now its own partition."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 4, 8, 8)
+    spec = QuantSpec(backend="x86")
+    with pytest.raises(TraceError, match="more than one output node"):  # the upstream failure, option off
+        engine.prepare(ReusedReluBlock().train(), Inputs((x,)), QuantSpec(backend="x86", options={"split_call_sites": False}))
+    prepared = engine.prepare(ReusedReluBlock().train(), Inputs((x,)), spec)
+    names = {str(v[0]) for n in prepared.graph.nodes for v in n.meta.get("nn_module_stack", {}).values()}
+    assert "relu@1" in names, sorted(names)
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
+    for _ in range(3):
+        prepared(x)
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
+    prepared.eval()
+    with torch.no_grad():
+        fake_quant = prepared(x)
+    int8 = engine.convert(prepared, spec)
+    with torch.no_grad():
+        out = int8(x)
+    sqnr = 10 * torch.log10(fake_quant.pow(2).mean() / (fake_quant - out).pow(2).mean())
+    assert sqnr > 25, f"int8 vs fake-quant {sqnr:.1f} dB"
+
+
+def test_stochastic_depth_is_off_in_eval_after_export(engine):
+    """torchvision's StochasticDepth exported in train mode kept its bernoulli draws: eval() still dropped the
+    residual branch at random (efficientnet_b0 int8 vs fake-quant compared two random draws)."""
+    pytest.importorskip("torchvision", reason="torchvision is not importable beside this torch")
+    from torchvision.ops import StochasticDepth
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+            self.drop = StochasticDepth(0.5, "row")
+
+        def forward(self, x):
+            return self.drop(self.conv(x)) + x
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 4, 6, 6)
+    stock = engine.prepare(Block().train(), Inputs((x,)), QuantSpec(backend="x86", options={"dropout_stochastic_depth": False}))
+    frozen = Phase(fake_quant=True, observe=False, bn_frozen=True)
+    engine.set_phase(stock, frozen)
+    stock.eval()
+    with torch.no_grad():
+        assert not torch.equal(stock(x), stock(x)), "upstream behaviour changed: eval no longer draws"
+    block = Block().train()
+    prepared = engine.prepare(block, Inputs((x,)), QuantSpec(backend="x86"))
+    assert "forward" not in vars(block.drop)  # the module itself is left as it was
+    engine.set_phase(prepared, frozen)
+    with torch.no_grad():
+        assert not torch.equal(prepared(x), prepared(x))  # training: the branch is dropped at random
+        prepared.eval()
+        assert torch.equal(prepared(x), prepared(x))

@@ -139,6 +139,8 @@ def test_an_int8_model_that_departs_fails_the_fit_naming_the_module_and_the_laye
         _fit_default_job(fidelity={"min_sqnr_db": 150.0})  # no real int8 model reaches 150 dB
     text = str(info.value)
     assert "net: int8 vs fake-quant" in text and "< 150 dB" in text and "first departing layer" in text
+    layer = text.split("first departing layer: ")[1].split(" (")[0]
+    assert f"qconfig_mapping {{'module_name': [{{'name': '{layer}', 'qconfig': None}}]}}" in text  # the route around it
 
 
 def test_on_breach_fallback_ships_the_fake_quant_module_and_says_so():

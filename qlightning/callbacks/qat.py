@@ -712,6 +712,13 @@ class QuantizationAwareTraining(SessionCallback, Callback):
             f"(fidelity: SQNR >= {self.fidelity.min_sqnr_db:g} dB, top-1 agreement >= {self.fidelity.min_top1_agreement:g}):\n"
             + "\n".join(f"  - {b.describe()}" for b in breaches)
         )
+        layers = [b.first_departing_layer.split(" (")[0] for b in breaches if b.first_departing_layer]
+        if layers:
+            # the config that routes around it: the first departing layer left in float
+            message += (
+                "\n  (to keep a departing layer in float: qconfig_mapping {'module_name': [{'name': "
+                f"'{layers[0]}', 'qconfig': None}}]}} (names inside the quantized submodule))"
+            )
         if self.fidelity.on_breach == "fail":
             raise FidelityError(
                 message + "\n  (fidelity on_breach='warn' keeps the int8 model, 'fallback' keeps the fake-quant module; "

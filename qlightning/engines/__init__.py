@@ -18,6 +18,8 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "fast_prepare": (bool, "skip torch.ao's throw-away observer constructions in prepare (default true)"),
         "clamp_activations": (bool, "convert clamps int8 activations to the fake-quant's range, e.g. reduce_range 0..127 (default true)"),
         "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),
+        "leaf_mode_modules": (bool, "modules whose traced forward would bake self.training in (torchvision StochasticDepth) stay leaves (default true)"),
+        "pool_spatial_means": (bool, "int8 x.mean([2, 3]) runs as adaptive_avg_pool2d + flatten (torch's quantized mean fails on 1x1 maps; default true)"),
     },
     "pt2e": {
         "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),
@@ -25,6 +27,8 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "dynamic_dims": (list, "further input dims exported as dynamic, e.g. [1] for a sequence (default [])"),
         "fold_quantize": (bool, "convert_pt2e stores int8 weights (default true)"),
         "fast_fold": (bool, "conv-bn fuse/fold only for the variants in the graph (default true)"),
+        "dropout_stochastic_depth": (bool, "torchvision StochasticDepth exported as a dropout, so eval() turns it off (default true)"),
+        "split_call_sites": (bool, "each call of a stateless module called at several sites (BasicBlock's relu) is its own partition (default true)"),
         "quantize_embeddings": (bool, "embedding tables stored as weight-only uint8 rows (torchao EmbeddingQuantizer; default false)"),
     },
 }

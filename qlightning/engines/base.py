@@ -158,6 +158,33 @@ def _per_channel_inputs(module: nn.Module) -> Iterator[tuple[nn.Module, tuple[in
                 yield m.get_submodule(str(node.target)), tuple(shape)
 
 
+def check_batch_norm_gammas(module: nn.Module) -> None:
+    """Refuse QAT on a model with BatchNorm weights (gamma) that are exactly zero, naming them.
+
+    QAT conv-bn fusion (torch.ao's ``ConvBn*d``, torchao's PT2E conv-bn pattern) scales the weight by
+    ``gamma / std`` and divides the conv output by the same factor: a zero gamma (timm ResNets'
+    ``zero_init_last=True``, torchvision's ``zero_init_residual=True``) makes the first training step
+    NaN, and the first fake-quant step then fails inside torch with "`zero_point` must be between
+    `quant_min` and `quant_max`" (measured: timm resnet10t, both engines).
+    """
+    from qlightning.errors import ConfigError
+
+    zero = []
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and isinstance(m.weight, torch.Tensor):
+            count = int((m.weight.detach() == 0).sum())
+            if count:
+                zero.append(f"{name} ({count} of {m.weight.numel()} channels)")
+    if zero:
+        shown = ", ".join(zero[:6]) + (f" and {len(zero) - 6} more" if len(zero) > 6 else "")
+        raise ConfigError(
+            f"BatchNorm weight (gamma) is exactly 0 in {shown}: QAT conv-bn fusion divides the conv output "
+            "by gamma / std, so training would be NaN from the first step. Build the model without zero-init "
+            "(timm: create_model(..., zero_init_last=False); torchvision ResNet: zero_init_residual=False), "
+            "or load weights trained in float first."
+        )
+
+
 def settle_fake_quant_state(module: nn.Module) -> int:
     """Give every fused moving-average fake-quant of a freshly prepared ``module`` the state that its
     first forward would give it anyway, so that no later forward without observation changes a buffer.

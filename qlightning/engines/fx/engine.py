@@ -8,14 +8,14 @@ torch lacks it, constructing :class:`FxEngine` raises a clear
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 import torch
 from torch import nn
 
 from qlightning.core.inputs import Inputs, capture_inputs, positional_args
 from qlightning.core.schedule import Phase
-from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, quantized_engine, settle_fake_quant_state, trained_qparams
+from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, quantized_engine, settle_fake_quant_state, trained_qparams
 from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao
 from qlightning.engines.fx.prepare import faster_prepare
 from qlightning.engines.fx.fast_fq import swap_fake_quant
@@ -152,6 +152,67 @@ def _has_dynamic_qconfig(mapping: Any) -> bool:
     return any(q is not None and activation_is_dynamically_quantized(q) for q in qconfigs)
 
 
+_SPATIAL_DIMS = ((2, 3), (3, 2), (-2, -1), (-1, -2))
+
+
+def global_spatial_mean(x: torch.Tensor, dims: List[int]) -> torch.Tensor:
+    """``x.mean(dims)`` over the two spatial dims of an NCHW tensor, through average pooling when ``x`` is quantized.
+
+    torch's quantized ``mean`` over dims [2, 3] of a 1x1 feature map (torchvision's ShuffleNetV2 at
+    32x32 input, ``x.mean([2, 3])`` before ``fc``) raises "required rank 4 tensor to use channels_last
+    format" (it keeps the input's channels_last layout for the rank-2 result). ``adaptive_avg_pool2d``
+    to 1x1 then ``flatten`` computes the same mean with the same qparams. TorchScript-compatible.
+    """
+    if x.is_quantized and x.dim() == 4:
+        return torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1)
+    return x.mean(dims)
+
+
+def pool_spatial_means(gm: torch.fx.GraphModule) -> int:
+    """Route ``mean`` over the spatial dims (keepdim false) of a converted graph through
+    :func:`global_spatial_mean`; return how many nodes were rewritten."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        is_method = node.op == "call_method" and node.target == "mean"
+        is_function = node.op == "call_function" and node.target is torch.mean
+        if not (is_method or is_function) or len(node.args) != 2 or node.kwargs.get("keepdim", False):
+            continue
+        if set(node.kwargs) - {"keepdim"}:
+            continue
+        dims = node.args[1]
+        if not isinstance(dims, (list, tuple)) or tuple(dims) not in _SPATIAL_DIMS:
+            continue
+        with gm.graph.inserting_after(node):
+            pooled = gm.graph.call_function(global_spatial_mean, (node.args[0], list(dims)))
+        pooled.meta = dict(node.meta)
+        node.replace_all_uses_with(pooled)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def mode_dependent_modules(module: nn.Module) -> dict[str, type]:
+    """``{name: class}`` of the submodules whose forward reads ``self.training`` in a way tracing bakes in.
+
+    torchvision's ``StochasticDepth`` (EfficientNet, ConvNeXt, Swin) calls the FX-wrapped
+    ``torchvision.ops.stochastic_depth(input, p, mode, self.training)``: a trace in train mode records
+    ``training=True`` as a constant, so the prepared and the int8 model kept dropping residual
+    branches at random in eval, and int8 vs fake-quant compared two random draws (efficientnet_b0:
+    8 dB at 32x32). Only classes of modules already imported are looked for (nothing is imported).
+    """
+    import sys
+
+    classes = []
+    ops = sys.modules.get("torchvision.ops.stochastic_depth")
+    if ops is not None and isinstance(getattr(ops, "StochasticDepth", None), type):
+        classes.append(ops.StochasticDepth)
+    if not classes:
+        return {}
+    return {name: type(m) for name, m in module.named_modules() if isinstance(m, tuple(classes))}
+
+
 class FxEngine(QuantEngine):
     """torch.ao FX graph mode: fuse + trace + insert fake-quant, then ``convert_fx`` and lower.
 
@@ -251,6 +312,8 @@ class FxEngine(QuantEngine):
 
     def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
         quantized_engine(spec.backend)
+        if spec.is_qat:
+            check_batch_norm_gammas(module)
         mapping = spec.qconfig_mapping if spec.qconfig_mapping is not None else self.default_qconfig_mapping(spec)
         mapping = self._expand_regex(module, mapping)
         prepare = self.ao.prepare_qat_fx if spec.is_qat else self.ao.prepare_fx
@@ -258,7 +321,10 @@ class FxEngine(QuantEngine):
         kwargs: dict[str, Any] = {
             "qconfig_mapping": mapping,
             "example_inputs": positional_args(module, inputs),
-            "prepare_custom_config": self._with_standalone_inputs(module, inputs, spec.prepare_custom_config),
+            "prepare_custom_config": self._with_leaf_mode_modules(
+                module, self._with_standalone_inputs(module, inputs, spec.prepare_custom_config),
+                spec.options.get("leaf_mode_modules", True),
+            ),
             "backend_config": self.backend_config(spec),
         }
         if not spec.is_qat and spec.options.get("equalization_config") is not None:
@@ -303,6 +369,20 @@ class FxEngine(QuantEngine):
                     mapping.module_name_qconfigs[name] = qconfig
                     break
         return mapping
+
+    def _with_leaf_mode_modules(self, module: nn.Module, config: Any, enabled: bool) -> Any:
+        """Keep the modules of :func:`mode_dependent_modules` as leaves (non-traceable, float), so their
+        ``train()`` / ``eval()`` still switch them."""
+        classes = sorted(set(mode_dependent_modules(module).values()), key=lambda c: c.__qualname__) if enabled else []
+        if not classes:
+            return config
+        with quiet_torch_ao():
+            from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
+        config = copy.copy(config) if config is not None else PrepareCustomConfig()
+        config.non_traceable_module_classes = list(config.non_traceable_module_classes) + [
+            c for c in classes if c not in config.non_traceable_module_classes
+        ]
+        return config
 
     def _with_standalone_inputs(self, module: nn.Module, inputs: Inputs, config: Any) -> Any:
         """Standalone modules are prepared with their own example inputs: capture them from a real forward."""
@@ -381,6 +461,8 @@ class FxEngine(QuantEngine):
                 clamp_quantized_weights(names[name], low, high)
         if narrowed and spec.options.get("clamp_activations", True):
             clamp_activations(converted, narrowed)
+        if spec.options.get("pool_spatial_means", True):
+            pool_spatial_means(converted)
         return converted
 
     def quant_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

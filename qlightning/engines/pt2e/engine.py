@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, settle_fake_quant_state, trained_qparams
+from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, check_batch_norm_gammas, settle_fake_quant_state, trained_qparams
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
 from qlightning.core.schedule import Phase
 
@@ -463,6 +463,78 @@ def _eliminate_dead_code(gm: torch.fx.GraphModule) -> int:
     return before - len(gm.graph.nodes)
 
 
+@contextlib.contextmanager
+def _stochastic_depth_as_dropout(module: nn.Module, enabled: bool = True) -> Iterator[list[str]]:
+    """While exporting, run torchvision's ``StochasticDepth`` as ``x * dropout(ones)``; yield the module names.
+
+    ``torchvision.ops.stochastic_depth`` draws its noise with ``bernoulli_`` when ``training`` is true:
+    exported in train mode (QAT), those draws stay in the graph, so ``eval()`` kept dropping residual
+    branches at random (efficientnet_b0: int8 vs fake-quant compared two random draws). The same
+    noise as ``dropout`` of a ones tensor of shape [N, 1, ...] ("row") or [1, ...] ("batch") is an
+    ``aten.dropout`` node, which ``train()`` / ``eval()`` switch (:func:`_rewrite_modes`). Only the
+    instance's ``forward`` is overridden, and restored after the export.
+    """
+    import sys
+
+    ops = sys.modules.get("torchvision.ops.stochastic_depth")
+    cls = getattr(ops, "StochasticDepth", None) if ops is not None else None
+    found = [(n, m) for n, m in module.named_modules() if enabled and isinstance(cls, type) and isinstance(m, cls)]
+
+    def as_dropout(m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if not m.training or m.p == 0.0:
+                return x
+            shape = [x.shape[0]] + [1] * (x.dim() - 1) if m.mode == "row" else [1] * x.dim()
+            return x * nn.functional.dropout(torch.ones(shape, dtype=x.dtype, device=x.device), m.p, True)
+
+        return forward
+
+    for _, m in found:
+        m.forward = as_dropout(m)  # type: ignore[method-assign]
+    try:
+        yield [n for n, _ in found]
+    finally:
+        for _, m in found:
+            m.__dict__.pop("forward", None)
+
+
+def _split_call_sites(gm: torch.fx.GraphModule, source: nn.Module) -> list[str]:
+    """Give each call of a stateless module called at several sites its own partition; return their names.
+
+    torch.export records the call sites of one module as ``nn_module_stack`` keys ``L__self__relu``,
+    ``L__self__relu@1``, ... but with the same module name in each, and ``get_source_partitions``
+    (what ``X86InductorQuantizer`` annotates by) groups a leaf module's nodes by that name: a
+    torchvision ``BasicBlock``, which calls one ``self.relu`` twice, became one ReLU partition with
+    two outputs and ``prepare_qat_pt2e`` failed with "Input partition has more than one output node"
+    (pytorch/ao#4478). Renaming the innermost entry of the second and later calls to ``relu@1``, ...
+    is what giving each call site its own copy of the module would do, without touching the model;
+    the outer entries (``layer1.0``) keep their names, so module-name qconfigs of a parent still
+    match. Only modules without parameters or buffers of their own are split (a reused stateful
+    module shares its weights between its sites).
+    """
+    split: set[str] = set()
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        key, value = list(stack.items())[-1]
+        fqn, cls = value
+        _, sep, index = str(key).rpartition("@")
+        if not sep or not index.isdigit() or str(fqn).endswith(f"@{index}"):
+            continue
+        try:
+            called = source.get_submodule(str(fqn))
+        except AttributeError:
+            continue
+        if any(True for _ in called.parameters()) or any(True for _ in called.buffers()):
+            continue
+        stack = dict(stack)
+        stack[key] = (f"{fqn}@{index}", cls)
+        node.meta["nn_module_stack"] = stack
+        split.add(str(fqn))
+    return sorted(split)
+
+
 def _drop_unused_attributes(gm: torch.fx.GraphModule) -> list[str]:
     """Delete the parameters, buffers and tensor attributes no ``get_attr`` node reads; return their names.
 
@@ -504,7 +576,11 @@ class Pt2eEngine(QuantEngine):
     ``quantize_embeddings`` (default ``False``: also store ``aten.embedding`` tables as uint8 rows, torchao's
     ``EmbeddingQuantizer`` composed before the x86 quantizer; weight-only, observed on the final weights),
     ``fold_quantize`` (default ``True``, passed to ``convert_pt2e``), ``fast_fold`` (default
-    ``True``: the conv-bn fuse/fold described in the module docstring; ``False`` runs torchao's own).
+    ``True``: the conv-bn fuse/fold described in the module docstring; ``False`` runs torchao's own),
+    ``dropout_stochastic_depth`` (default ``True``: torchvision's ``StochasticDepth`` is exported as a
+    dropout, so ``eval()`` turns it off, see :func:`_stochastic_depth_as_dropout`),
+    ``split_call_sites`` (default ``True``: each call of a stateless module called at several sites is
+    annotated on its own, see :func:`_split_call_sites`).
 
     Example::
 
@@ -673,13 +749,16 @@ class Pt2eEngine(QuantEngine):
 
     def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
         self.check_spec(spec)
+        if spec.is_qat:
+            check_batch_norm_gammas(module)
         quantizer = self.quantizer(spec)
         module.train(spec.is_qat)
         args, kwargs, dynamic = self.export_inputs(
             module, inputs, spec.options.get("dynamic_batch", True), tuple(spec.options.get("dynamic_dims", ()))
         )
         try:
-            exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic)
+            with _stochastic_depth_as_dropout(module, spec.options.get("dropout_stochastic_depth", True)):
+                exported = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic)
         except Exception as exc:  # torch.export raises many kinds (UserError, Unsupported, TypeError, ...)
             raise TraceError(
                 f"torch.export could not capture {type(module).__name__}: {type(exc).__name__}: {str(exc)[:2000]}. "
@@ -688,6 +767,8 @@ class Pt2eEngine(QuantEngine):
             ) from exc
         graph = exported.module()
         _eliminate_dead_code(graph)
+        if spec.options.get("split_call_sites", True):
+            _split_call_sites(graph, module)
         prepare = self.ao.prepare_qat_pt2e if spec.is_qat else self.ao.prepare_pt2e
         try:
             with self._patched("_fuse_conv_bn_qat", _fast_fuse_conv_bn_qat, spec.options.get("fast_fold", True)):

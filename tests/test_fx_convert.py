@@ -1,0 +1,117 @@
+"""FX engine convert fixes for what torch.ao trips on in real models (issue 17's zoo)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from qlightning import Inputs, Phase, QuantSpec, get_engine
+
+
+class GlobalMeanHead(nn.Module):
+    """torchvision ShuffleNetV2's tail in small: conv-bn-relu to a 1x1 map, ``x.mean([2, 3])``, ``fc``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv5 = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv5(x).mean([2, 3]))
+
+
+def _int8(options: dict) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    engine = get_engine("fx")
+    x = torch.randn(8, 3, 3, 3)  # 3x3 -> conv 3x3 -> a 1x1 feature map
+    spec = QuantSpec(backend="x86", options=options)
+    prepared = engine.prepare(GlobalMeanHead().train(), Inputs((x,)), spec)
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
+    for _ in range(3):
+        prepared(x)
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
+    prepared.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        int8 = engine.convert(prepared, spec)
+    return prepared, int8, x
+
+
+def test_int8_global_mean_of_a_1x1_map_runs_and_matches_fake_quant():
+    _, stock, x = _int8({"pool_spatial_means": False})
+    with pytest.raises(RuntimeError, match="channels_last"):  # torch's quantized mean, the upstream failure
+        stock(x)
+    prepared, int8, x = _int8({})
+    with torch.no_grad():
+        reference, out = prepared(x), int8(x)
+    sqnr = 10 * torch.log10(reference.pow(2).mean() / (reference - out).pow(2).mean())
+    assert sqnr > 25, f"int8 vs fake-quant {sqnr:.1f} dB"
+    from qlightning.engines.fx.engine import global_spatial_mean
+
+    torch.jit.script(global_spatial_mean)  # the rewrite stays TorchScript-able (int8_net.pt)
+    assert torch.equal(torch.jit.trace(int8, (x,), check_trace=False)(x), out)
+
+
+def test_float_means_are_unchanged():
+    from qlightning.engines.fx.engine import global_spatial_mean
+
+    x = torch.randn(2, 3, 4, 5)
+    assert torch.equal(global_spatial_mean(x, [2, 3]), x.mean([2, 3]))
+    y = torch.randn(2, 3, 4)
+    assert torch.equal(global_spatial_mean(y, [-2, -1]), y.mean([-2, -1]))
+
+
+def test_stochastic_depth_follows_eval_after_tracing():
+    """torchvision's StochasticDepth passes ``self.training`` to a wrapped function: traced in train mode,
+    the prepared and int8 models kept dropping the residual branch at random in eval (efficientnet_b0)."""
+    torchvision = pytest.importorskip("torchvision", reason="torchvision is not importable beside this torch")
+    from torchvision.ops import StochasticDepth
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+            self.drop = StochasticDepth(0.5, "row")
+
+        def forward(self, x):
+            return self.drop(self.conv(x)) + x
+
+    def fit(options: dict):
+        torch.manual_seed(0)
+        engine, x = get_engine("fx"), torch.randn(16, 4, 6, 6)
+        spec = QuantSpec(backend="x86", options=options)
+        prepared = engine.prepare(Block().train(), Inputs((x,)), spec)
+        engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
+        for _ in range(3):
+            prepared(x)
+        engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
+        prepared.eval()
+        with torch.no_grad():
+            return prepared, x, prepared(x), prepared(x)
+
+    _, _, a, b = fit({"leaf_mode_modules": False})
+    assert not torch.equal(a, b), "upstream behaviour changed: the traced stochastic depth no longer stays on in eval"
+    prepared, x, a, b = fit({})
+    assert torch.equal(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        int8 = get_engine("fx").convert(prepared, QuantSpec(backend="x86"))
+    with torch.no_grad():
+        out = int8(x)
+    sqnr = 10 * torch.log10(a.pow(2).mean() / (a - out).pow(2).mean())
+    assert sqnr > 25, f"int8 vs fake-quant {sqnr:.1f} dB"
+
+
+@pytest.mark.parametrize("engine_name", ["fx", "pt2e"])
+def test_zero_initialised_batch_norm_is_refused_naming_it(engine_name):
+    """timm ResNets zero-init the last BatchNorm of each block: QAT conv-bn fusion divides by gamma (NaN
+    from the first step, then torch's "zero_point must be between quant_min and quant_max")."""
+    from qlightning import ConfigError
+
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    nn.init.zeros_(net[1].weight)
+    with pytest.raises(ConfigError, match=r"gamma\) is exactly 0 in 1 \(4 of 4 channels\).*zero_init_last=False"):
+        get_engine(engine_name).prepare(net.train(), Inputs((torch.randn(2, 3, 6, 6),)), QuantSpec(backend="x86"))

@@ -1,0 +1,264 @@
+"""One zoo case: a torchvision / timm model (weights=None) on digits upsampled to 32x32x3, a short
+QAT fit through ``Trainer.fit`` with the callback, convert, int8 forward, fidelity int8 vs fake-quant
+(``fidelity_results``) and float / int8 latency at batch 1 and 32.
+
+Used by ``tests/zoo/test_zoo.py`` and by ``python -m tests.zoo.table`` (the README's zoo table).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+TARGET_SQNR_DB = 25.0
+TARGET_TOP1 = 0.99
+ENGINES = ("fx", "pt2e")
+
+
+def have(*packages: str) -> bool:
+    return all(importlib.util.find_spec(p) is not None for p in packages)
+
+
+# ----------------------------------------------------------------------------------------- models
+
+
+def _tv(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import torchvision
+
+        return getattr(torchvision.models, name)(weights=None, num_classes=10, **kwargs)
+
+    return build
+
+
+def _tv_vit() -> nn.Module:
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=64,
+                             mlp_dim=128, num_classes=10)
+
+
+def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import timm
+
+        return timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+
+    return build
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    package: str  # torchvision | timm
+    build: Callable[[], nn.Module]
+    options: dict = field(default_factory=dict)  # extra callback arguments the model needs (documented)
+
+
+MODELS: dict[str, ZooModel] = {
+    m.name: m
+    for m in (
+        ZooModel("resnet18", "torchvision", _tv("resnet18")),
+        ZooModel("mobilenet_v2", "torchvision", _tv("mobilenet_v2")),
+        ZooModel("mobilenet_v3_small", "torchvision", _tv("mobilenet_v3_small")),
+        ZooModel("shufflenet_v2_x0_5", "torchvision", _tv("shufflenet_v2_x0_5")),
+        ZooModel("efficientnet_b0", "torchvision", _tv("efficientnet_b0")),
+        ZooModel("regnet_x_400mf", "torchvision", _tv("regnet_x_400mf")),
+        ZooModel("vit_small_tv", "torchvision", _tv_vit),
+        ZooModel("timm_vit_tiny", "timm", _timm("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=4)),
+        ZooModel("timm_convnext_atto", "timm", _timm("convnext_atto")),
+        ZooModel("timm_resnet10t", "timm", _timm("resnet10t")),
+    )
+}
+
+
+# What the product must say about a model x engine that does not meet the targets: the status of the
+# case, regexes its refusal or warnings must match (module / op and the config that routes around it),
+# a note for the README table; "xfail": a precise reason naming the upstream issue.
+_GATE_NAMES_THE_ROUTE = [
+    r"int8 model departs from the fake-quant model",  # the fit-end fidelity gate (on_breach=warn here)
+    r"first departing layer: \S+",  # the layer
+    r"qconfig_mapping \{'module_name': \[\{'name': '[^']+', 'qconfig': None\}\]\}",  # the config around it
+]
+_ZERO_GAMMA = {
+    "status": "refused",
+    "says": [r"BatchNorm weight \(gamma\) is exactly 0 in \S+", r"zero_init_last=False"],
+    "note": "timm zero-inits each block's last BatchNorm (zero_init_last=True); QAT conv-bn fusion divides by "
+            "gamma, so prepare refuses, naming the BatchNorms and `zero_init_last=False`",
+}
+KNOWN: dict[tuple[str, str], dict[str, Any]] = {
+    ("timm_resnet10t", "fx"): _ZERO_GAMMA,
+    ("timm_resnet10t", "pt2e"): _ZERO_GAMMA,
+    ("mobilenet_v3_small", "fx"): {
+        "status": "below target",
+        "says": _GATE_NAMES_THE_ROUTE,
+        "note": "int8 vs fake-quant below 25 dB (Hardswish / Hardsigmoid SE blocks under torch.ao FX; unresolved); "
+                "the gate warns and names a layer, but its per-layer SQNR reads -0 dB from the first conv on "
+                "(the per-layer matcher misreads this graph)",
+    },
+}
+
+
+# Notes for rows that meet the targets but leave something out (shown in the README table).
+NOTES: dict[tuple[str, str], str] = {
+    ("vit_small_tv", "fx"): "nn.MultiheadAttention stays float (a torch.nn leaf without an FX int8 pattern; "
+                            "not routed through torch.ao's quantizable MultiheadAttention)",
+}
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+def digits_32(seed: int = 0) -> dict[str, TensorDataset]:
+    """scikit-learn digits (8x8, 0..16) upsampled to 32x32, three channels, normalized; 1437/360 split."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    x = nn.functional.interpolate(x, size=32, mode="bilinear", align_corners=False)
+    x = ((x - 0.3) / 0.4).repeat(1, 3, 1, 1).contiguous()
+    y = torch.tensor(y, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    train, test = order[:1437], order[1437:]
+    return {"train": TensorDataset(x[train], y[train]), "test": TensorDataset(x[test], y[test])}
+
+
+def make_datamodule(batch_size: int, seed: int = 0) -> Any:
+    import lightning.pytorch as pl
+
+    splits = digits_32(seed)
+
+    class Digits32(pl.LightningDataModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(splits["train"], batch_size=batch_size, shuffle=True,
+                              generator=torch.Generator().manual_seed(seed), drop_last=True)
+
+        def val_dataloader(self) -> DataLoader:
+            return DataLoader(splits["test"], batch_size=64)
+
+    return Digits32(), splits
+
+
+# ----------------------------------------------------------------------------------------- one case
+
+
+@dataclass
+class CaseResult:
+    model: str
+    engine: str
+    status: str  # works | below target | refused | error
+    torch: str = torch.__version__
+    sqnr_db: Optional[float] = None
+    top1_agreement: Optional[float] = None
+    samples: Optional[int] = None
+    int8_accuracy: Optional[float] = None
+    fake_quant_accuracy: Optional[float] = None
+    float_ms_b1: Optional[float] = None
+    int8_ms_b1: Optional[float] = None
+    float_ms_b32: Optional[float] = None
+    int8_ms_b32: Optional[float] = None
+    options: dict = field(default_factory=dict)
+    message: str = ""
+    warnings: list = field(default_factory=list)
+    fit_s: Optional[float] = None
+    total_s: Optional[float] = None
+
+    def meets_targets(self) -> bool:
+        return (self.sqnr_db is not None and self.sqnr_db >= TARGET_SQNR_DB
+                and self.top1_agreement is not None and self.top1_agreement >= TARGET_TOP1)
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    with torch.no_grad():
+        fn()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return 1000.0 * times[len(times) // 2]
+
+
+def run_case(model_name: str, engine: str, *, max_steps: int = 12, batch_size: int = 16, seed: int = 0,
+             latency: bool = False, latency_repeats: int = 5) -> CaseResult:
+    """Fit, convert and compare one model x engine; every failure is recorded, not raised."""
+    import lightning.pytorch as pl
+
+    from qlightning import QuantizationAwareTraining
+    from qlightning.examples.digits import ClassifierModule
+
+    spec = MODELS[model_name]
+    result = CaseResult(model=model_name, engine=engine, status="error", options=dict(spec.options))
+    started = time.perf_counter()
+    pl.seed_everything(seed, verbose=False)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    net = spec.build()
+    model = ClassifierModule(net, lr=2e-3, scheduler="constant")
+    model.example_input_array = torch.zeros(2, 3, 32, 32)
+    dm, splits = make_datamodule(batch_size, seed)
+    warm = max_steps // 2  # float first: BatchNorm statistics from random init need data (FIELD-NOTES)
+    freeze = max_steps - max(2, max_steps // 8)
+    qat = QuantizationAwareTraining(
+        modules=["net"], engine=engine,
+        fake_quant_start={"step": warm}, observer_freeze={"step": freeze}, bn_freeze={"step": freeze},
+        fidelity={"on_breach": "warn", "batches": 2, "min_sqnr_db": TARGET_SQNR_DB, "min_top1_agreement": TARGET_TOP1},
+        **spec.options,
+    )
+    trainer = pl.Trainer(max_steps=max_steps, callbacks=[qat], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+                         num_sanity_val_steps=0, limit_val_batches=2, val_check_interval=max_steps)
+    float_net = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fit_start = time.perf_counter()
+            trainer.fit(model, datamodule=dm)
+            result.fit_s = time.perf_counter() - fit_start
+        except Exception as exc:  # noqa: BLE001 - recorded: a refusal names what to change
+            result.status = "refused" if type(exc).__name__ in ("ConfigError", "TraceError") else "error"
+            result.message = f"{type(exc).__name__}: {exc}"[:1500]
+    result.warnings = [str(w.message)[:800] for w in caught
+                       if issubclass(w.category, UserWarning) and "qlightning" in str(w.filename) + str(w.message)
+                       or "fidelity" in str(w.message).lower()]
+    if result.message:
+        result.total_s = time.perf_counter() - started
+        return result
+    fid = qat.fidelity_results.get("net", {})
+    result.sqnr_db = fid.get("sqnr_db")
+    result.top1_agreement = fid.get("top1_agreement")
+    result.samples = fid.get("samples")
+    if fid.get("error"):
+        result.message = str(fid["error"])[:1500]
+    int8 = model.net
+    fake_quant = qat.fake_quant_modules.get("net")
+    x, y = splits["test"].tensors
+    try:
+        with torch.no_grad():
+            result.int8_accuracy = float((int8(x[:256]).argmax(1) == y[:256]).float().mean())
+            if fake_quant is not None:
+                result.fake_quant_accuracy = float((fake_quant(x[:256]).argmax(1) == y[:256]).float().mean())
+    except Exception as exc:  # noqa: BLE001
+        result.message = result.message or f"int8 forward: {type(exc).__name__}: {exc}"[:1500]
+    if latency and not result.message:
+        float_net = spec.build().eval()  # latency does not depend on the weights
+        for b, attr in ((1, "b1"), (32, "b32")):
+            xb = x[:b]
+            setattr(result, f"float_ms_{attr}", _median_ms(lambda: float_net(xb), latency_repeats))
+            setattr(result, f"int8_ms_{attr}", _median_ms(lambda: int8(xb), latency_repeats))
+    if result.message:
+        result.status = "error"
+    elif result.meets_targets():
+        result.status = "works"
+    else:
+        result.status = "below target"
+    result.total_s = time.perf_counter() - started
+    return result
