@@ -211,21 +211,62 @@ class QConfigBuilder:
             if spec in native:
                 return getattr(self.tq, native[spec])
             if spec in self.presets:
-                return self.qconfig(self.presets[spec], f"{key} (preset {spec!r})", errors)
+                return self.qconfig(self._int16_safe(self.presets[spec], preset=True), f"{key} (preset {spec!r})", errors)
             choices = sorted(set(NATIVE_PRESETS) | set(self.presets))
             errors.append(f"{key}={spec!r}: unknown qconfig preset{close(spec, choices)}; valid: {choices} or null")
             return None
         if not isinstance(spec, Mapping) or set(spec) - {"activation", "weight"}:
             errors.append(f"{key}: a qconfig is a preset name, null, or a mapping with 'activation' and 'weight'")
             return None
+        spec = self._int16_safe(spec)
+        overflow = self._int16_overflow(spec)
+        if overflow:  # an explicit activation range: refused, not changed
+            errors.append(
+                f"{key}: activations [0, {overflow[0]}] with weights up to |{overflow[1]}| overflow the int16 pair sums "
+                f"of {self.backend}'s u8 x s8 kernels (fbgemm on CPUs without VNNI: 2 * {overflow[0]} * {overflow[1]} > 32767), "
+                f"so int8 would not compute what fake-quant trained; use activation quant_max: 127 (x86's reduce_range), "
+                f"weights of 7 bits or fewer, or backend qnnpack"
+            )
         activation = self.observer(spec.get("activation", {}), f"{key}.activation", errors)
         weight = self.observer(
             spec.get("weight", {"observer": "minmax", "dtype": "qint8", "qscheme": "per_tensor_symmetric"}),
             f"{key}.weight", errors,
         )
-        if activation is None or weight is None:
+        if activation is None or weight is None or overflow:
             return None
         return self.tq.QConfig(activation=activation, weight=weight)
+
+    def _int16_overflow(self, spec: Mapping[str, Any]) -> Optional[tuple[int, int]]:
+        """``(activation max, weight max |q|)`` when x86/fbgemm's u8 x s8 pair sums (int16) can overflow, else None."""
+        if self.backend not in ("x86", "fbgemm"):
+            return None
+        act, weight = plain(spec.get("activation") or {}), plain(spec.get("weight") or {})
+        if not isinstance(act, Mapping) or not isinstance(weight, Mapping):
+            return None
+        if act.get("dtype", "quint8") != "quint8" or weight.get("dtype", "qint8") != "qint8":
+            return None
+        bounds = (act.get("quant_max", 127 if act.get("reduce_range") else 255), act.get("quant_min", 0),
+                  weight.get("quant_min", -128), weight.get("quant_max", 127))
+        if not all(isinstance(b, int) for b in bounds):
+            return None  # a malformed range is the observer check's to report
+        amax, wabs = bounds[0] - bounds[1], max(-bounds[2], bounds[3])
+        return (amax, wabs) if 2 * amax * wabs > 32767 else None
+
+    def _int16_safe(self, spec: Any, preset: bool = False) -> Any:
+        """On x86/fbgemm, activations on [0, 127] where the full range would overflow (what torch.ao's own x86
+        qconfigs do with ``reduce_range``): for presets (written backend-neutral) and for activations whose
+        range is left to the default; an explicit range is kept (and refused by :meth:`qconfig`). Other
+        backends keep all 8 bits."""
+        spec = plain(spec)
+        if not isinstance(spec, Mapping) or not self._int16_overflow(spec):
+            return spec
+        activation = plain(spec.get("activation") or {})
+        if not preset and "quant_max" in activation:
+            return spec
+        preset_spec = spec
+        activation = {**activation, "quant_min": 0, "quant_max": 127}
+        activation.pop("reduce_range", None)
+        return {**preset_spec, "activation": activation}
 
     # ---------------------------------------------------------------- the mapping
     def qconfig_mapping(self, spec: Any, key: str, errors: list[str]) -> Any:
