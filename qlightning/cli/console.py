@@ -11,6 +11,8 @@ import warnings
 UPSTREAM_NOISE: tuple[tuple[str, type[Warning], str], ...] = (
     (r".*isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
      "lightning/pytorch/utilities/_pytree.py on torch >= 2.10: Lightning-AI/pytorch-lightning#21326"),
+    (r".*Please use quant_min and quant_max to specify the range for observers", UserWarning,
+     "torch.ao's own get_default_qat_qconfig('x86'/'fbgemm') passes reduce_range=True (torch/ao/quantization/observer.py)"),
     (r".*does not have many workers which may be a bottleneck", UserWarning,
      "Lightning's advice for the in-memory digits/MiniLM loaders, which have nothing to load in parallel"),
 )
