@@ -67,7 +67,7 @@ def _attribute_paths() -> list[str]:
                qlightning, qlightning.run.app, qlightning.examples]
     paths: set[str] = set()
     for module in modules:
-        for name, value in sorted(vars(module).items())[:600]:
+        for name, value in sorted(vars(module).items())[:3000]:  # torch alone has ~2000 names; load sorts past 600 once more of torch is imported
             paths.add(f"{module.__name__}.{name}")
             if isinstance(value, (types.ModuleType, type)):
                 for sub in sorted(vars(value))[:60]:
