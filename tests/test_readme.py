@@ -42,7 +42,8 @@ COVERED = {
     "qlightning train recipe=digits_fast loggers=[csv,tensorboard]": (
         "tests/test_cli.py", "test_tensorboard_logger_gets_phase_scales_and_report", '"recipe=digits_fast", "loggers=[csv,tensorboard]"'),
 }
-SHORT = " trainer.limit_train_batches=5 trainer.limit_val_batches=2 trainer.limit_test_batches=2 trainer.enable_progress_bar=false"
+SHORT = (" trainer.limit_train_batches=5 trainer.limit_val_batches=2 trainer.limit_test_batches=2"
+         " trainer.log_every_n_steps=1 trainer.enable_progress_bar=false")  # log_every_n_steps: else Lightning warns about 5 batches
 # non-code blocks (a file tree)
 NOT_CODE = ("conf/            Hydra config tree",)
 
@@ -138,13 +139,13 @@ def _env() -> dict[str, str]:
 
 
 def _latest_run(folder: Path) -> str:
-    runs = sorted(p.parent for p in folder.glob("outputs/*/*/checkpoints/last.ckpt"))
+    runs = sorted(p.parent.parent for p in folder.glob("outputs/*/*/checkpoints/last.ckpt"))
     if not runs:  # a block run alone (-k): make the run the README's earlier blocks would have made
         out = subprocess.run([sys.executable, "-m", "qlightning.cli", "train", "recipe=digits_fast", *SHORT.split()],
                              cwd=folder, env=_env(), capture_output=True,
                              text=True, timeout=900)
         assert out.returncode == 0, out.stderr[-3000:]
-        runs = sorted(p.parent for p in folder.glob("outputs/*/*/checkpoints/last.ckpt"))
+        runs = sorted(p.parent.parent for p in folder.glob("outputs/*/*/checkpoints/last.ckpt"))
     return str(runs[-1].relative_to(folder))
 
 

@@ -13,6 +13,8 @@ UPSTREAM_NOISE: tuple[tuple[str, type[Warning], str], ...] = (
      "lightning/pytorch/utilities/_pytree.py on torch >= 2.10: Lightning-AI/pytorch-lightning#21326"),
     (r".*Please use quant_min and quant_max to specify the range for observers", UserWarning,
      "torch.ao's own get_default_qat_qconfig('x86'/'fbgemm') passes reduce_range=True (torch/ao/quantization/observer.py)"),
+    (r".*To copy construct from a tensor, it is recommended to use sourceTensor", UserWarning,
+     "torch/_inductor/mkldnn_lowerings.py calls torch.tensor(w_zp_tensor) on a tensor (torch 2.13) when compiling int8 linears"),
     (r".*does not have many workers which may be a bottleneck", UserWarning,
      "Lightning's advice for the in-memory digits/MiniLM loaders, which have nothing to load in parallel"),
 )
