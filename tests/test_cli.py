@@ -54,6 +54,7 @@ def test_default_job_trains_converts_and_reports(tmp_path):
     assert any(h.startswith("qat/scale/net.") for h in header)
 
 
+@pytest.mark.slow  # a full CLI run (quick suite under 10 minutes)
 def test_int8_model_file_loads_without_qlightning(tmp_path):
     out = qlightning("train", "recipe=digits_fast", f"hydra.run.dir={tmp_path}/run", "trainer.enable_progress_bar=false", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -69,6 +70,7 @@ def test_int8_model_file_loads_without_qlightning(tmp_path):
     assert float(check.stdout.strip()) > 0.9
 
 
+@pytest.mark.slow  # a full CLI run (quick suite under 10 minutes)
 def test_overrides_reach_the_run(tmp_path):
     out = qlightning(
         "train", "recipe=digits_fast", "quant.backend=qnnpack", "trainer.max_epochs=2",
@@ -108,6 +110,7 @@ def test_bad_config_exits_early_with_a_clear_message(tmp_path, overrides, fragme
     assert not (tmp_path / "run" / "checkpoints").exists()  # no training step ran
 
 
+@pytest.mark.slow  # a full CLI run (quick suite under 10 minutes)
 def test_tensorboard_logger_gets_phase_scales_and_report(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -149,6 +152,7 @@ def test_hostile_recipe_runs_nothing(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow  # a full CLI run (quick suite under 10 minutes)
 def test_recipes_list_show_validate_cp(tmp_path):
     listing = qlightning("recipes", "list", cwd=tmp_path)
     assert listing.returncode == 0

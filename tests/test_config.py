@@ -500,6 +500,7 @@ def _short_fit_overrides(run_dir: Path) -> list[str]:
             "quant.fidelity.on_breach=warn"]  # 4 steps leave scales barely calibrated
 
 
+@pytest.mark.slow  # a full CLI run (quick suite under 10 minutes)
 def test_trainer_checkpoint_report_and_convert_keys_reach_the_run(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "qlightning.cli", "train", *_short_fit_overrides(tmp_path / "a"), "trainer.max_epochs=2",

@@ -157,6 +157,7 @@ def test_pt2_with_quantized_decomposed_ops(run_dir, int8_reference, tmp_path):
         assert sqnr_db(expected, load_artifact(arts[0].path, "pt2")(images)) >= 30.0
 
 
+@pytest.mark.slow  # a full CLI run (quick suite under 10 minutes)
 def test_export_and_report_commands(run_dir, tmp_path):
     out = qlightning("export", str(run_dir / "checkpoints" / "last.ckpt"), "--formats", "onnx,pt2", "--out", str(tmp_path / "exp"), "--no-report", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
