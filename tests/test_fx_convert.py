@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from qlightning import Inputs, Phase, QuantSpec, get_engine
+from qlightning.core.metrics import sqnr_db
 
 
 class GlobalMeanHead(nn.Module):
@@ -23,21 +24,28 @@ class GlobalMeanHead(nn.Module):
         return self.fc(self.conv5(x).mean([2, 3]))
 
 
-def _int8(options: dict) -> tuple[nn.Module, nn.Module, torch.Tensor]:
-    torch.manual_seed(0)
+def _trained(module: nn.Module, x: torch.Tensor, options: dict) -> nn.Module:
+    """``module`` prepared by the fx engine, 3 observing fake-quant steps on ``x``, then frozen and in eval."""
     engine = get_engine("fx")
-    x = torch.randn(8, 3, 3, 3)  # 3x3 -> conv 3x3 -> a 1x1 feature map
-    spec = QuantSpec(backend="x86", options=options)
-    prepared = engine.prepare(GlobalMeanHead().train(), Inputs((x,)), spec)
+    prepared = engine.prepare(module.train(), Inputs((x,)), QuantSpec(backend="x86", options=options))
     engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
     for _ in range(3):
         prepared(x)
     engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
-    prepared.eval()
+    return prepared.eval()
+
+
+def _convert(prepared: nn.Module, options: dict) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        int8 = engine.convert(prepared, spec)
-    return prepared, int8, x
+        return get_engine("fx").convert(prepared, QuantSpec(backend="x86", options=options))
+
+
+def _int8(options: dict) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 3, 3)  # 3x3 -> conv 3x3 -> a 1x1 feature map
+    prepared = _trained(GlobalMeanHead(), x, options)
+    return prepared, _convert(prepared, options), x
 
 
 def test_int8_global_mean_of_a_1x1_map_runs_and_matches_fake_quant():
@@ -47,7 +55,7 @@ def test_int8_global_mean_of_a_1x1_map_runs_and_matches_fake_quant():
     prepared, int8, x = _int8({})
     with torch.no_grad():
         reference, out = prepared(x), int8(x)
-    sqnr = 10 * torch.log10(reference.pow(2).mean() / (reference - out).pow(2).mean())
+    sqnr = sqnr_db(reference, out)
     assert sqnr > 25, f"int8 vs fake-quant {sqnr:.1f} dB"
     from qlightning.engines.fx.engine import global_spatial_mean
 
@@ -67,7 +75,7 @@ def test_float_means_are_unchanged():
 def test_stochastic_depth_follows_eval_after_tracing():
     """torchvision's StochasticDepth passes ``self.training`` to a wrapped function: traced in train mode,
     the prepared and int8 models kept dropping the residual branch at random in eval (efficientnet_b0)."""
-    torchvision = pytest.importorskip("torchvision", reason="torchvision is not importable beside this torch")
+    pytest.importorskip("torchvision", reason="torchvision is not importable beside this torch")
     from torchvision.ops import StochasticDepth
 
     class Block(nn.Module):
@@ -81,14 +89,8 @@ def test_stochastic_depth_follows_eval_after_tracing():
 
     def fit(options: dict):
         torch.manual_seed(0)
-        engine, x = get_engine("fx"), torch.randn(16, 4, 6, 6)
-        spec = QuantSpec(backend="x86", options=options)
-        prepared = engine.prepare(Block().train(), Inputs((x,)), spec)
-        engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
-        for _ in range(3):
-            prepared(x)
-        engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
-        prepared.eval()
+        x = torch.randn(16, 4, 6, 6)
+        prepared = _trained(Block(), x, options)
         with torch.no_grad():
             return prepared, x, prepared(x), prepared(x)
 
@@ -96,12 +98,9 @@ def test_stochastic_depth_follows_eval_after_tracing():
     assert not torch.equal(a, b), "upstream behaviour changed: the traced stochastic depth no longer stays on in eval"
     prepared, x, a, b = fit({})
     assert torch.equal(a, b)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        int8 = get_engine("fx").convert(prepared, QuantSpec(backend="x86"))
     with torch.no_grad():
-        out = int8(x)
-    sqnr = 10 * torch.log10(a.pow(2).mean() / (a - out).pow(2).mean())
+        out = _convert(prepared, {})(x)
+    sqnr = sqnr_db(a, out)
     assert sqnr > 25, f"int8 vs fake-quant {sqnr:.1f} dB"
 
 

@@ -113,8 +113,17 @@ _ARGUMENT = re.compile(
 )
 
 
+# the callback's advice, as the command line would give it
+ADVICE = {
+    "leave the schedule to the run (the default)": "set quant.schedule.auto=true (milestones from the run's length)",
+}
+
+
 def config_keys(message: str) -> str:
-    """A callback or engine message with its argument names as config keys (``engine='fx'`` -> ``quant.engine=fx``)."""
+    """A callback or engine message with its argument names as config keys (``engine='fx'`` -> ``quant.engine=fx``)
+    and its advice in command-line terms."""
+    for said, cli in ADVICE.items():
+        message = message.replace(said, cli)
     if message.startswith("quant."):
         return message
 

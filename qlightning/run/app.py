@@ -94,7 +94,7 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     except ConfigError as exc:  # raised by the callback before the first step: say it in config keys
-        raise ConfigError([_cli_advice(config_keys(p)) for p in exc.problems]) from None
+        raise ConfigError([config_keys(p) for p in exc.problems]) from None
 
     result: dict[str, Any] = {"run_dir": str(run_dir), "provenance": provenance or {}}
     # Exports, the report and the parity gate run once, on global rank 0, while the other ranks wait
@@ -124,11 +124,6 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
             reporting.print_table(result)
         print_summary(result, run_dir)
     return result
-
-
-def _cli_advice(problem: str) -> str:
-    """The callback's advice in terms of the command line."""
-    return problem.replace("leave the schedule to the run (the default)", "set quant.schedule.auto=true (milestones from the run's length)")
 
 
 def _export_and_report(
