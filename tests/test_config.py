@@ -77,32 +77,39 @@ def test_module_name_regex_and_order():
 def test_presets_keep_x86_int8_sums_from_overflowing():
     """Found by the README test on an AVX2 machine (no VNNI): the per_channel_symmetric preset's activations on
     [0, 255] with 8-bit weights made int8 12.4 dB from fake-quant (fbgemm's u8 x s8 pair sums saturate in
-    int16). On x86/fbgemm the presets take [0, 127] (torch.ao's reduce_range); qnnpack keeps 8 bits; an explicit
-    full range is refused naming the key and the fix."""
+    int16). On x86/fbgemm the presets take 7-bit weights (MiniLM: cosine to float 0.995, against 0.983 with
+    torch.ao's 7-bit activations); a given weight range keeps its bits and halves the activations instead;
+    qnnpack keeps 8 bits; both ranges given and overflowing is refused naming the key and the fix."""
     from qlightning.config.qconfig import QConfigBuilder
     from qlightning.errors import ConfigError
 
-    def activation_range(backend: str, spec) -> tuple[int, int]:
+    def ranges(backend: str, spec) -> tuple[tuple[int, int], tuple[int, int]]:
         errors: list[str] = []
         qconfig = QConfigBuilder(backend, is_qat=True).qconfig(spec, "quant.qconfig_mapping.global", errors)
         assert not errors, errors
-        fq = qconfig.activation()
-        return int(fq.quant_min), int(fq.quant_max)
+        act, weight = qconfig.activation(), qconfig.weight()
+        return (int(act.quant_min), int(act.quant_max)), (int(weight.quant_min), int(weight.quant_max))
 
     for preset in ("per_channel_symmetric", "per_tensor_affine", "histogram", "learnable"):
-        assert activation_range("x86", preset) == (0, 127), preset
-        assert activation_range("fbgemm", preset) == (0, 127), preset
-        assert activation_range("qnnpack", preset) == (0, 255), preset
-    assert activation_range("x86", "w4a8") == (0, 255)  # 4-bit weights cannot overflow
-    assert activation_range("x86", {"activation": {"observer": "moving_average_minmax"}}) == (0, 127)  # range left to us
+        assert ranges("x86", preset) == ((0, 255), (-64, 63)), preset
+        assert ranges("fbgemm", preset) == ((0, 255), (-64, 63)), preset
+        assert ranges("qnnpack", preset) == ((0, 255), (-128, 127)), preset
+    assert ranges("x86", "w4a8") == ((0, 255), (-7, 7))  # 4-bit weights cannot overflow
+    # the weight range left to us: 7 bits; given: the activations take [0, 127]
+    assert ranges("x86", {"activation": {"observer": "moving_average_minmax"}}) == ((0, 255), (-64, 63))
+    per_channel = {"observer": "moving_average_per_channel_minmax", "dtype": "qint8", "qscheme": "per_channel_symmetric"}
+    assert ranges("x86", {"activation": {"observer": "moving_average_minmax"}, "weight": per_channel})[1] == (-64, 63)
+    assert ranges("x86", {"weight": {**per_channel, "quant_min": -128, "quant_max": 127}}) == ((0, 127), (-128, 127))
     errors: list[str] = []
     QConfigBuilder("x86", is_qat=True).qconfig(
-        {"activation": {"observer": "moving_average_minmax", "quant_min": 0, "quant_max": 255}},
+        {"activation": {"observer": "moving_average_minmax", "quant_min": 0, "quant_max": 255},
+         "weight": {**per_channel, "quant_min": -128, "quant_max": 127}},
         "quant.qconfig_mapping.global", errors)
     assert len(errors) == 1 and "quant.qconfig_mapping.global: activations [0, 255] with weights up to |128|" in errors[0]
     assert "use activation quant_max: 127" in errors[0] and "backend qnnpack" in errors[0]
     with pytest.raises(ConfigError, match="overflow the int16 pair sums"):
-        prepared_net("quant.qconfig_mapping={global: {activation: {quant_min: 0, quant_max: 255}}}")
+        prepared_net("quant.qconfig_mapping={global: {activation: {quant_min: 0, quant_max: 255},"
+                     " weight: {dtype: qint8, qscheme: per_tensor_symmetric, quant_min: -128, quant_max: 127}}}")
 
 
 def test_learnable_preset_makes_scales_parameters():

@@ -2,7 +2,7 @@
 
 A Python block runs as a script; a bash block runs command by command (continuation lines joined,
 comments dropped), each command one test. Edits: ``outputs/<date>/<time>`` becomes the folder of the
-latest run, and ``qlightning train`` gets :data:`SHORT` (5 training batches per epoch, 2 validation and
+latest run made with the same overrides, and ``qlightning train`` gets :data:`SHORT` (5 training batches per epoch, 2 validation and
 test batches: every epoch milestone is still reached and every stage runs; the figures are other
 tests' business). A command run as written by another test is listed in :data:`COVERED` (a quick test
 checks that test still runs it); commands that cannot run on one machine are in :data:`NOT_RUN` with
@@ -138,15 +138,32 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1"}
 
 
-def _latest_run(folder: Path) -> str:
-    runs = sorted(p.parent.parent for p in folder.glob("outputs/*/*/checkpoints/last.ckpt"))
-    if not runs:  # a block run alone (-k): make the run the README's earlier blocks would have made
-        out = subprocess.run([sys.executable, "-m", "qlightning.cli", "train", "recipe=digits_fast", *SHORT.split()],
+def _overrides(run: Path) -> set[str]:
+    """The command-line overrides a run was made with (Hydra's ``.hydra/overrides.yaml``), less :data:`SHORT`."""
+    import yaml
+
+    made_with = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) or []
+    return set(made_with) - set(SHORT.split())
+
+
+def _latest_run(folder: Path, like: str = "") -> str:
+    """The latest run made with the same overrides as ``like`` (a resume resumes the job it was made by).
+
+    ``like`` is the command that names the run; its ``ckpt_path=...`` and :data:`SHORT` do not count.
+    """
+    wanted = {a for a in shlex.split(like) if "=" in a and not a.startswith("ckpt_path=")} if like else None
+
+    def runs() -> list[Path]:
+        found = sorted(p.parent.parent for p in folder.glob("outputs/*/*/checkpoints/last.ckpt"))
+        return [r for r in found if wanted is None or _overrides(r) == wanted]
+
+    if not runs():  # a block run alone (-k): make the run the README's earlier blocks would have made
+        made = ["recipe=digits_fast"] if wanted is None else sorted(wanted)
+        out = subprocess.run([sys.executable, "-m", "qlightning.cli", "train", *made, *SHORT.split()],
                              cwd=folder, env=_env(), capture_output=True,
                              text=True, timeout=900)
         assert out.returncode == 0, out.stderr[-3000:]
-        runs = sorted(p.parent.parent for p in folder.glob("outputs/*/*/checkpoints/last.ckpt"))
-    return str(runs[-1].relative_to(folder))
+    return str(runs()[-1].relative_to(folder))
 
 
 def _run(command: list[str] | str, folder: Path, label: str) -> str:
@@ -168,7 +185,8 @@ def test_readme_command_runs_as_written(block: Block, command: str, folder: Path
         _run([sys.executable, "-c", command], folder, f"README line {block.line} (python)")
         return
     if "<date>/<time>" in command:
-        command = command.replace("outputs/<date>/<time>", _latest_run(folder))
+        like = command if command.startswith("qlightning train") else ""
+        command = command.replace("outputs/<date>/<time>", _latest_run(folder, like))
     train = re.search(r"(^|\s)qlightning train(\s|$)", command) is not None
     if train:
         command += SHORT

