@@ -97,15 +97,16 @@ def test_overrides_reach_the_run(tmp_path):
         (["model._target_=os.system"], "not an allowed class"),
         (["loggers=[wandb]"], "expected one of [csv, tensorboard]"),
         # the default job's milestones (epochs 3 and 6) past a shorter run: named as config keys, with the fix
-        (["trainer.max_epochs=4"], "quant.schedule.observer_freeze={epoch: 6}: the fit ends after 80 optimizer steps"),
-        (["trainer.max_epochs=4"], "set quant.schedule.auto=true"),
+        (["trainer.max_epochs=4"], ["quant.schedule.observer_freeze={epoch: 6}: the fit ends after 80 optimizer steps",
+                                    "set quant.schedule.auto=true"]),
     ],
 )
 def test_bad_config_exits_early_with_a_clear_message(tmp_path, overrides, fragment):
     out = qlightning("train", *overrides, f"hydra.run.dir={tmp_path}/run", "trainer.enable_progress_bar=false", cwd=tmp_path, timeout=300)
     assert out.returncode != 0
     text = out.stdout + out.stderr
-    assert fragment in text, text[-2000:]
+    for expected in [fragment] if isinstance(fragment, str) else fragment:
+        assert expected in text, text[-2000:]
     assert "Traceback" not in text
     assert not (tmp_path / "run" / "checkpoints").exists()  # no training step ran
 
@@ -160,9 +161,12 @@ def test_recipes_list_show_validate_cp(tmp_path):
     assert {"digits_qat", "digits_fast", "digits_qnnpack", "digits_step_schedule"} <= names
     show = qlightning("recipes", "show", "digits_qat", cwd=tmp_path)
     assert show.stdout.startswith("# qlightning train recipe=digits_qat")
-    for name in names:
-        ok = qlightning("recipes", "validate", name, cwd=tmp_path)
-        assert ok.returncode == 0, ok.stderr
+    ok = qlightning("recipes", "validate", "digits_qat", cwd=tmp_path)
+    assert ok.returncode == 0 and "digits_qat" in ok.stdout, ok.stderr
+    from qlightning.cli.recipes import validate  # what the command calls: every other recipe in this process
+
+    problems = {name: validate(name) for name in sorted(names - {"digits_qat"})}
+    assert not any(problems.values()), problems
     copied = qlightning("recipes", "cp", "digits_fast", str(tmp_path), cwd=tmp_path)
     assert copied.returncode == 0 and (tmp_path / "digits_fast.yaml").is_file()
     text = (tmp_path / "digits_fast.yaml").read_text().replace("max_epochs: 4", "max_epochs: 0")
