@@ -14,6 +14,7 @@ from qlightning.examples import DigitsClassifier, DigitsDataModule
 
 torch.set_num_threads(2)
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+logging.getLogger("torch.__trace").propagate = False  # always DEBUG: pytest's capture would hold every dynamo trace
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 

@@ -276,7 +276,7 @@ BAD_INPUTS = [
     (["+quant.example_inputs.net={shape: [1, 8], dtype: float33}"], "not a torch dtype"),
     (["model._target_=builtins.eval"], "not an allowed class"),
     (["quant.engine=pt2e", "quant.backend=qnnpack"], "the pt2e engine supports only 'x86'"),
-    (["+quant.engine_options.fast_qta=false"], "quant.engine_options.fast_qta: unknown option for engine 'fx'; valid: ['clamp_activations', 'fast_conv_bn'"),
+    (["+quant.engine_options.fast_qta=false"], "quant.engine_options.fast_qta: unknown option for engine 'fx'; valid: ['clamp_activations', 'compile', 'fast_conv_bn'"),
     (["+quant.engine_options.fast_linear=1"], "quant.engine_options.fast_linear=1: true or false"),
     (["quant.engine=pt2e", "+quant.engine_options.fast_qat=false"], "unknown option for engine 'pt2e'"),
     (["quant.method=ptq", "+quant.engine_options.dynamic_dims=[1]"], "unknown option for engine 'fx'"),

@@ -7,6 +7,7 @@ import io
 import os
 import shutil
 import tempfile
+import time
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
@@ -29,10 +30,11 @@ from qlightning.callbacks.distributed import (
     pickle_whole_for_new_processes,
 )
 from qlightning.core.inputs import RandomStates, as_inputs, attach_source, resolve_targets
+from qlightning.core.compile_choice import CompileDecider, phases_left
 from qlightning.core.fidelity import FidelityConfig, ModuleFidelity, compare_modules
 from qlightning.core.schedule import AUTO, AutoSchedule, Milestone, MilestoneLike, Phase, Schedule, unreachable
 from qlightning.core.session import QuantSession, has_submodule, set_submodule
-from qlightning.engines import QuantEngine, QuantSpec, check_engine_options
+from qlightning.engines import QuantEngine, QuantSpec, check_engine_options, compile_mode
 from qlightning.errors import ConfigError, EngineUnavailableError, FidelityError, IncompleteScheduleError, QLightningError
 from qlightning.quantize.lowering import CANDIDATES
 
@@ -248,6 +250,8 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         self._held_batches: dict[str, list[Any]] = {}
         self._held_source = ""
         self._convert_after_load = False
+        self._compiler: Optional[CompileDecider] = None  # engine_options.compile, from prepare on
+        self._step_started: Optional[float] = None
 
     # ------------------------------------------------------------------ preparation
 
@@ -314,6 +318,11 @@ class QuantizationAwareTraining(SessionCallback, Callback):
                     "weights in an extra pass, which bn_freeze prevents, so the averaged model keeps statistics of "
                     "other weights (measured: int8 21.5 % vs 98.5 %); set bn_freeze=None or drop SWA"
                 )
+        if compile_mode(self.spec.options) == "on" and trainer.world_size > 1:
+            errors.append(
+                f"engine_options.compile=on with {trainer.world_size} processes: the compiled training path is "
+                "single-process for now; use compile=auto (it stays eager there) or off"
+            )
         if errors:
             raise ConfigError(errors)
 
@@ -420,12 +429,38 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         self.session.prepare(pl_module, compat.first_training_batch(trainer) if trainer is not None else None)
         self.session.apply_phase(pl_module, self.schedule.phase(0, 0))
         self.session.set_observers(pl_module, False)
+        processes = trainer.world_size if trainer is not None else 1
+        self._compiler = CompileDecider(compile_mode(self.spec.options), self.engine.compiles_training, processes)
+        if not self._compiler.pending:
+            self._settle_compile(pl_module)
         rank_zero_info(
             f"[qlightning] prepared {self.targets} for QAT ({self.engine.name} engine, {self.backend} backend); "
             f"schedule: fake-quant from {self.schedule.fake_quant_start or 'step 0'}, "
             f"observers freeze at {self.schedule.observer_freeze or 'never'}, "
             f"BN freezes at {self.schedule.bn_freeze or 'never'}"
         )
+
+    def _settle_compile(self, pl_module: "pl.LightningModule") -> None:
+        """Record the compile choice (report, log) and compile the targets' training forwards if it says so."""
+        choice = self._compiler.choice
+        self.session.compile_choice = choice.to_dict()
+        if choice.compiled:
+            self.session.compile_training(pl_module)
+        if choice.mode != "off":
+            rank_zero_info(f"[qlightning] {choice.describe()}")
+
+    def _time_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """``engine_options.compile=auto``: time eager steps, then decide once (core/compile_choice.py)."""
+        self._compiler.add_step(time.perf_counter() - self._step_started)
+        self._step_started = None
+        if not self._compiler.ready():
+            return
+        try:
+            left: Optional[float] = float(trainer.estimated_stepping_batches) - trainer.global_step
+        except Exception:  # no known length
+            left = None
+        self._compiler.decide(left, phases_left(self.schedule, trainer.global_step, trainer.current_epoch))
+        self._settle_compile(pl_module)
 
     # ------------------------------------------------------------------ ModelPruning
 
@@ -533,6 +568,8 @@ class QuantizationAwareTraining(SessionCallback, Callback):
                             pl_module.log(f"qat/scale/{name}.{key}", q["scale_mean"], on_step=True, on_epoch=False)
         # applied every batch: Lightning's model.train() after validation resets BatchNorm modes
         self._apply(pl_module, phase)
+        if self._compiler is not None and self._compiler.pending:
+            self._step_started = time.perf_counter()
 
     def _run_ptq_baseline(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", states: Optional[dict[str, Any]] = None
@@ -555,6 +592,8 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         # forward pass can move a scale.
         if self.prepared and not self.converted:
             self._set_observers(pl_module, False)
+            if self._compiler is not None and self._compiler.pending and self._step_started is not None:
+                self._time_step(trainer, pl_module)
 
     def _evaluation(self, pl_module: "pl.LightningModule", stage: str, start: bool) -> None:
         if start and self._convert_after_load and self.prepared and not self.converted:

@@ -52,5 +52,8 @@ def route_logging() -> None:
     for handler in root.handlers:
         if not any(isinstance(f, _NoTips) for f in handler.filters):
             handler.addFilter(_NoTips())
+    # torch's structured trace log (TORCH_TRACE, tlparse) is always at DEBUG: kept out of train.log, where a
+    # compiled run (engine_options.compile) would write every dynamo frame's trace into it
+    logging.getLogger("torch.__trace").propagate = False
     logging.captureWarnings(True)
     filter_upstream_noise()

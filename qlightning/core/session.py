@@ -121,6 +121,8 @@ class QuantSession:
         self.int8_modules: dict[str, nn.Module] = {}
         #: per target, the runtime kept and every candidate's latency and parity (``lowering != "fx"``)
         self.lowering_choices: dict[str, dict[str, Any]] = {}
+        #: whether training ran compiled, and why (``CompileChoice.to_dict()``); ``None`` before it is known
+        self.compile_choice: Optional[dict[str, Any]] = None
         #: int8 PTQ baseline of each target
         self.ptq_modules: dict[str, nn.Module] = {}
         #: plain data saved with the model (recipe, hash, versions)
@@ -207,6 +209,10 @@ class QuantSession:
         for module in self.modules(root).values():
             self.engine.set_phase(module, phase)
 
+    def compile_training(self, root: nn.Module) -> bool:
+        """Training forwards of every target through the engine's compiled path; False where it has none."""
+        return all([self.engine.compile_training(module) for module in self.modules(root).values()])
+
     def set_observers(self, root: nn.Module, enabled: bool) -> None:
         """Observer updates of every target on or off (nothing else changes)."""
         for module in self.modules(root).values():
@@ -247,6 +253,7 @@ class QuantSession:
     def detach_fake_quant(self, root: nn.Module, name: str) -> nn.Module:
         """Before converting ``name``: observers off, a fake-quant copy kept, pruning masks folded in."""
         prepared = root.get_submodule(name)
+        self.engine.decompile(prepared)  # eager from here on: the copy and the int8 model must pickle and deepcopy
         self.engine.set_observers(prepared, False)
         if self.keep_fake_quant:
             self.fake_quant_modules[name] = copy.deepcopy(prepared).eval()

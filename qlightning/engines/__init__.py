@@ -8,10 +8,14 @@ from qlightning.engines.base import BACKENDS, Inputs, QuantEngine, QuantSpec
 from qlightning.errors import ConfigError
 
 ENGINES = ("fx", "pt2e")
+#: ``engine_options.compile``: booleans are on / off
+COMPILE_MODES = ("auto", "on", "off")
 
 #: What each engine reads from ``engine_options``: name -> (kind, meaning).
 ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
     "fx": {
+        "compile": (COMPILE_MODES, "QAT training forwards through torch.compile: auto (when the time it saves on the run's "
+                    "remaining steps exceeds the compile time), on, off (default auto)"),
         "fast_qat": (bool, "vectorized fake-quant, fused ReLU, conv-bn and linear paths in training (default true)"),
         "fast_conv_bn": (bool, "conv-bn dividing the weight instead of the conv output (default true)"),
         "fast_linear": (bool, "QAT Linear recomputes its weight fake-quant in backward (default true)"),
@@ -47,10 +51,18 @@ def check_engine_options(engine: str, options: object, errors: list[str], key: s
     for name, value in options.items():
         if name not in known:
             errors.append(f"{key}.{name}: unknown option for engine {engine!r}; valid: {sorted(known)}")
+        elif isinstance(known[name][0], tuple) and not isinstance(value, bool) and value not in known[name][0]:
+            errors.append(f"{key}.{name}={value!r}: one of {list(known[name][0])} (or true / false)")
         elif known[name][0] is bool and not isinstance(value, bool):
             errors.append(f"{key}.{name}={value!r}: true or false")
         elif known[name][0] is list and not (isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value)):
             errors.append(f"{key}.{name}={value!r}: a list of dimension indexes, e.g. [1]")
+
+
+def compile_mode(options: Any) -> str:
+    """``engine_options.compile`` as one of :data:`COMPILE_MODES` (true is on, false off; absent: auto)."""
+    value = (options or {}).get("compile", "auto")
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
 
 
 def get_engine(name: str) -> QuantEngine:
@@ -77,4 +89,4 @@ def quantized_decomposed_ops() -> Any:
     return ops()
 
 
-__all__ = ["quantized_decomposed_ops", "BACKENDS", "ENGINES", "ENGINE_OPTIONS", "check_engine_options", "Inputs", "QuantEngine", "QuantSpec", "get_engine"]
+__all__ = ["quantized_decomposed_ops", "BACKENDS", "COMPILE_MODES", "ENGINES", "compile_mode", "ENGINE_OPTIONS", "check_engine_options", "Inputs", "QuantEngine", "QuantSpec", "get_engine"]

@@ -50,6 +50,8 @@ class QuantEngine(ABC):
     """prepare / set_phase / set_observers / convert: the symmetric pairs of a quantization engine."""
 
     name: ClassVar[str]
+    #: whether :meth:`compile_training` has a compiled path to offer
+    compiles_training: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
@@ -77,6 +79,14 @@ class QuantEngine(ABC):
         Problems are appended to ``errors``; the default accepts native objects only.
         """
         return spec
+
+    def compile_training(self, module: nn.Module) -> bool:
+        """Run the training forwards of a prepared module through ``torch.compile``, with the same state and
+        the same int8 model; False where this engine has no compiled path. Undone by :meth:`decompile`."""
+        return False
+
+    def decompile(self, module: nn.Module) -> None:
+        """Undo :meth:`compile_training`: eager forwards again (before converting, copying or pickling)."""
 
     def check_spec_against_model(self, spec: QuantSpec, modules: dict[str, nn.Module]) -> list[str]:
         """Config entries that name nothing in the modules about to be prepared."""

@@ -18,7 +18,7 @@ from qlightning.core.schedule import Phase
 from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, quantized_engine, settle_fake_quant_state, trained_qparams
 from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao
 from qlightning.engines.fx.prepare import faster_prepare
-from qlightning.engines.fx.fast_fq import swap_fake_quant
+from qlightning.engines.fx.fast_fq import restore_fake_quant, swap_fake_quant
 from qlightning.engines.fx.qconfigs import clamp_quantized_weights
 from qlightning.engines.fx.reference import CLAMP_META, reference_module
 from qlightning.errors import TraceError
@@ -225,6 +225,7 @@ class FxEngine(QuantEngine):
     """
 
     name = "fx"
+    compiles_training = True
 
     def __reduce__(self) -> tuple:
         # stateless apart from the torch modules it imports: pickle as "make a new one"
@@ -347,6 +348,19 @@ class FxEngine(QuantEngine):
             settle_fake_quant_state(prepared)  # no evaluation before training may move a buffer (base.py)
         return prepared
 
+    def compile_training(self, module: nn.Module) -> bool:
+        """Training forwards through ``torch.compile`` with traceable fake-quants (``compiled.py``)."""
+        from qlightning.engines.fx.compiled import compile_for_training
+
+        restore_fake_quant(module)  # the eager fast path reads flags on the host and packs masks with numpy
+        compile_for_training(module)
+        return True
+
+    def decompile(self, module: nn.Module) -> None:
+        from qlightning.engines.fx.compiled import decompile
+
+        decompile(module)
+
     @staticmethod
     def _expand_regex(module: nn.Module, mapping: Any) -> Any:
         """Also give each submodule a regex matches its own ``module_name`` entry.
@@ -440,6 +454,7 @@ class FxEngine(QuantEngine):
 
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
         quantized_engine(spec.backend)
+        self.decompile(module)
         module.eval()
         # convert_fx clamps weights to the int8 storage range only, not to a narrower
         # quant_min/quant_max: after QAT with frozen weight observers a 4-bit model would keep

@@ -1,0 +1,97 @@
+"""Whether a run's QAT training forwards go through ``torch.compile`` (``engine_options.compile``).
+
+``on`` compiles from the first step, ``off`` never; ``auto`` times a few eager training steps and compiles
+when the time the compiled path would save over the run's remaining steps exceeds what compiling costs
+(one compile per phase still to come: the schedule's phases are guarded state, so each recompiles once).
+Engine-neutral and Lightning-free: the callback feeds it step times and asks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from qlightning.core.schedule import Schedule
+
+#: fraction of an eager QAT step the compiled path saves: a low figure of ``python -m benchmarks compile``
+#: (digits CNN, ResNet-18-like, Transformer; observing and frozen phases, 1 thread, notes/perf.md)
+EXPECTED_SAVING = 0.2
+#: seconds of one compile (forward and backward graphs, inductor on CPU, cold cache); measured 20-80 s for
+#: the digits CNN on 2 busy cores, more for deeper models (notes/perf.md)
+COMPILE_SECONDS = 90.0
+#: eager steps timed before ``auto`` decides (after the first step of the fit, which pays allocations)
+TIMED_STEPS = 4
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    """What was decided and from which figures (the report and the log show it)."""
+
+    mode: str
+    compiled: bool
+    reason: str
+    eager_step_ms: Optional[float] = None
+    steps_left: Optional[int] = None
+    compiles_expected: Optional[int] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def describe(self) -> str:
+        return f"compiled training path {'on' if self.compiled else 'off'} (engine_options.compile={self.mode}: {self.reason})"
+
+
+def phases_left(schedule: Schedule, global_step: int, epoch: int) -> int:
+    """The phase now and each milestone still ahead: how many compiles the rest of the run needs at most."""
+    ahead = [m for m in (schedule.fake_quant_start, schedule.observer_freeze, schedule.bn_freeze)
+             if m is not None and not m.reached(global_step, epoch)]
+    return 1 + len(ahead)
+
+
+class CompileDecider:
+    """Collects eager step times and decides once, for ``mode`` ``auto`` (``on`` / ``off`` decide at once).
+
+    Args:
+        mode: ``auto``, ``on`` or ``off``.
+        supported: whether the engine has a compiled path.
+        processes: the run's world size (the compiled path is single-process for now).
+    """
+
+    def __init__(self, mode: str, supported: bool, processes: int = 1) -> None:
+        self.mode = mode
+        self.supported = supported
+        self.processes = processes
+        self.step_seconds: list[float] = []
+        self.choice: Optional[CompileChoice] = None
+        if mode == "off":
+            self.choice = CompileChoice(mode, False, "off")
+        elif not supported:
+            self.choice = CompileChoice(mode, False, "this engine has no compiled path")
+        elif processes > 1:
+            self.choice = CompileChoice(mode, False, f"{processes} processes: the compiled path is single-process")
+        elif mode == "on":
+            self.choice = CompileChoice(mode, True, "on")
+
+    @property
+    def pending(self) -> bool:
+        return self.choice is None
+
+    def add_step(self, seconds: float) -> None:
+        self.step_seconds.append(seconds)
+
+    def ready(self) -> bool:
+        return self.pending and len(self.step_seconds) > TIMED_STEPS  # the first one is not counted
+
+    def decide(self, steps_left: Optional[float], compiles: int) -> CompileChoice:
+        """``auto``: compile when ``steps_left * eager step * EXPECTED_SAVING > compiles * COMPILE_SECONDS``."""
+        step = statistics.median(self.step_seconds[1:])
+        if steps_left is None or steps_left == float("inf"):
+            self.choice = CompileChoice(self.mode, False, "the fit has no known length", round(step * 1e3, 2))
+            return self.choice
+        saved, cost = steps_left * step * EXPECTED_SAVING, compiles * COMPILE_SECONDS
+        compiled = saved > cost
+        reason = (f"{int(steps_left)} steps left x {step * 1e3:.1f} ms eager: about {saved:.0f} s to save "
+                  f"{'>' if compiled else '<='} {compiles} compile(s) x {COMPILE_SECONDS:.0f} s")
+        self.choice = CompileChoice(self.mode, compiled, reason, round(step * 1e3, 2), int(steps_left), compiles)
+        return self.choice

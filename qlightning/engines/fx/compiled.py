@@ -1,0 +1,224 @@
+"""The compiled QAT training path of the FX engine (``engine_options.compile``).
+
+``torch.compile`` of a torch.ao-prepared model gets nowhere by itself: dynamo skips ``torch.ao.quantization``
+(``MOD_SKIPLIST`` in ``torch/_dynamo/trace_rules.py``), so every fake-quant is a graph break, and its fused
+op keeps its flags in tensors that it reads on the host. Here each ``FusedMovingAvgObsFakeQuantize`` gets an
+*instance* forward (:func:`traceable_forward`, defined here, so dynamo inlines it) that does what
+``torch.fused_moving_avg_obs_fake_quant`` does in plain tensor ops:
+
+* the moving-average min/max update (``running + c * (current - running)``, the first observation taken as
+  is), per tensor or per channel;
+* scale and zero point by :func:`choose_qparams`, a tensor-op transcription of
+  ``ATen/native/quantized/cpu/QuantUtils.h::ChooseQuantizationParams`` (what the fused op calls: float and
+  double steps where it has them), so that the qparams are the fused op's own bit for bit;
+* the fake-quant ``(clamp(round(x * (1/s)) + zp, qmin, qmax) - zp) * s`` with the straight-through
+  gradient inside the range (``aten::fake_quantize_per_*_affine_cachemask``'s arithmetic).
+
+Eagerly the forward is bit-identical to torch.ao's (outputs, gradients, every buffer: tests). Compiled,
+inductor fuses it with its neighbours; the phase (observers, fake-quant) is a Python tuple that dynamo
+guards on, refreshed from the modules' flag buffers before every compiled call, so a phase change
+recompiles once instead of breaking the graph, and the buffers stay the single source of truth
+(checkpoints, DDP broadcasts, torch.ao's own ``enable_observer``). Compiled results differ from eager by
+float rounding (inductor reorders reductions), as compiled float training does.
+
+Classes, buffers and ``state_dict`` keys stay torch.ao's, so ``convert_fx`` is unchanged; :func:`decompile`
+undoes everything (the engine calls it before converting).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from qlightning.engines.fx.ao import quiet_torch_ao
+
+with quiet_torch_ao():
+    from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
+
+# ATen/native/quantized/cpu/QuantUtils.h: constexpr float SMALL_SCALE_THRESHOLD = 6.1e-5f
+SMALL_SCALE_THRESHOLD = float(torch.tensor(6.1e-5, dtype=torch.float32))
+
+
+def choose_qparams(min_val: torch.Tensor, max_val: torch.Tensor, qmin: int, qmax: int,
+                   symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (float32) and zero point (int32) per element of ``min_val`` / ``max_val``, as the fused op computes them.
+
+    A line-by-line transcription of ``ChooseQuantizationParams(min, max, qmin, qmax, preserve_sparsity=symmetric)``:
+    the symmetric widening in float32, scale and zero point in double, the 0.1 fallback for a zero or
+    overflowing scale and the small-scale cut-off (``SMALL_SCALE_THRESHOLD``) with its min/max rescaling.
+    """
+    mn, mx = min_val, max_val
+    if symmetric:
+        sym_qmin, sym_qmax = -((qmax - qmin) // 2 + 1), (qmax - qmin) // 2
+        max_scale = torch.maximum((mn / sym_qmin).abs(), (mx / sym_qmax).abs())
+        straddles = (mn < 0) & (mx > 0)
+        mn = torch.where(straddles, max_scale * sym_qmin, mn)
+        mx = torch.where(straddles, max_scale * sym_qmax, mx)
+    mn, mx = torch.clamp(mn, max=0.0), torch.clamp(mx, min=0.0)  # the range holds 0
+    scale = (mx.double() - mn.double()) / (qmax - qmin)
+    as_float = scale.float()
+    scale = torch.where((as_float == 0) | torch.isinf(torch.reciprocal(as_float)), 0.1, scale)
+    small = scale < SMALL_SCALE_THRESHOLD
+    amplifier = SMALL_SCALE_THRESHOLD / scale.float()
+    span = SMALL_SCALE_THRESHOLD * (qmax - qmin)
+    small_min = torch.where(mn == 0, mn, torch.where(mx == 0, torch.full_like(mn, -span), mn * amplifier))
+    small_max = torch.where(mn == 0, torch.full_like(mx, span), torch.where(mx == 0, mx, mx * amplifier))
+    mn, mx = torch.where(small, small_min, mn), torch.where(small, small_max, mx)
+    scale = torch.where(small, SMALL_SCALE_THRESHOLD, scale)
+    low, high = mn.double() / scale, mx.double() / scale
+    # the zero point from whichever end adds the smaller terms
+    zero_point = torch.where(abs(qmin) - low.abs() < abs(qmax) - high.abs(), qmin - low, qmax - high)
+    if symmetric:
+        zero_point = torch.where((mn < 0) & (mx > 0), (qmin + qmax) / 2, zero_point)
+    zero_point = torch.where(zero_point < qmin, float(qmin), torch.where(zero_point > qmax, float(qmax), torch.round(zero_point)))
+    return scale.float(), zero_point.to(torch.int32)
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """``(clamp(round(x * (1/s)) + zp, qmin, qmax) - zp) * s``; gradient 1 where ``round(x/s) + zp`` is in range, else 0."""
+    with torch.no_grad():
+        zp = zero_point.to(x.dtype)
+        q = torch.round(x * torch.reciprocal(scale)) + zp
+        inside = (q >= qmin) & (q <= qmax)
+        out = (torch.clamp(q, qmin, qmax) - zp) * scale
+    # forward: out + 0; backward: the mask (the straight-through estimator torch.ao's cachemask ops implement)
+    return out + (x - x.detach()) * inside
+
+
+def _flags(fq: FusedMovingAvgObsFakeQuantize) -> tuple[bool, bool]:
+    return bool(fq.observer_enabled[0]), bool(fq.fake_quant_enabled[0])
+
+
+def traceable_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> torch.Tensor:
+    """``FusedMovingAvgObsFakeQuantize.forward`` in plain tensor ops (see the module docstring).
+
+    As the fused op: the observer moves the running min/max only; with fake-quant on, scale and zero point
+    are recomputed from the running min/max at every call (observer on or off) and written to the buffers.
+    """
+    obs = self.activation_post_process
+    # compiled: the guarded Python copy of the flags (refreshed by the compiled caller); eager: the buffers
+    observe, fake_quant = self.__dict__["_qlightning_flags"] if torch.compiler.is_compiling() else _flags(self)
+    qmin, qmax = obs.quant_min, obs.quant_max
+    min_val, max_val = obs.min_val, obs.max_val
+    if observe:
+        with torch.no_grad():
+            x = X.detach()
+            if self.is_per_channel:
+                if min_val.numel() == 0 and not torch.compiler.is_compiling():  # after reset_min_max_vals
+                    _size_per_channel(self, x.shape[self.ch_axis])
+                    min_val, max_val = obs.min_val, obs.max_val
+                rows = (x if self.ch_axis == 0 else x.transpose(0, self.ch_axis)).flatten(1)
+                current_min, current_max = rows.amin(1), rows.amax(1)
+            else:
+                current_min, current_max = torch.aminmax(x)
+            c = obs.averaging_constant
+            min_val.copy_(torch.where(torch.isinf(min_val), current_min, min_val + c * (current_min - min_val)))
+            max_val.copy_(torch.where(torch.isinf(max_val), current_max, max_val + c * (current_max - max_val)))
+    if not fake_quant:
+        return X
+    with torch.no_grad():
+        scale, zero_point = choose_qparams(min_val, max_val, qmin, qmax, self.is_symmetric_quant)
+        self.scale.copy_(scale)
+        self.zero_point.copy_(zero_point)
+    if self.is_per_channel:
+        shape = [-1 if i == self.ch_axis else 1 for i in range(X.dim())]
+        scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
+    return fake_quantize(X, scale, zero_point, qmin, qmax)
+
+
+def _size_per_channel(m: FusedMovingAvgObsFakeQuantize, channels: int) -> None:
+    """What the fused op does to empty per-channel buffers at its first observation (+-inf, 1.0, 0)."""
+    obs = m.activation_post_process
+    obs.min_val.resize_(channels).fill_(float("inf"))
+    obs.max_val.resize_(channels).fill_(float("-inf"))
+    m.scale.resize_(channels).fill_(1.0)
+    m.zero_point.resize_(channels).zero_()
+
+
+def _eligible(m: nn.Module) -> bool:
+    """torch.ao's fused moving-average fake-quant (every default and preset QAT qconfig) with min/max observers."""
+    return type(m) is FusedMovingAvgObsFakeQuantize
+
+
+def traceable_fake_quants(module: nn.Module) -> Iterator[FusedMovingAvgObsFakeQuantize]:
+    for m in module.modules():
+        if _eligible(m) and m.__dict__.get("forward") is not None and m.__dict__["forward"].__func__ is traceable_forward:
+            yield m
+
+
+def make_traceable(module: nn.Module) -> int:
+    """Give every eligible fake-quant of ``module`` :func:`traceable_forward`; return how many.
+
+    Per-channel buffers are sized to their channels first (the fused op does it at its first observation,
+    with the same +-inf / 1.0 / 0 fill), so that the traced graph never resizes a buffer.
+    """
+    count = 0
+    for name, m in module.named_modules():
+        if not _eligible(m):
+            continue
+        if m.is_per_channel:
+            owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+            m.__dict__["_qlightning_channels"] = owner.weight.shape[m.ch_axis]
+            if m.activation_post_process.min_val.numel() == 0:
+                _size_per_channel(m, m.__dict__["_qlightning_channels"])
+        m.forward = types.MethodType(traceable_forward, m)
+        m.__dict__["_qlightning_flags"] = _flags(m)
+        count += 1
+    return count
+
+
+def _refresh_flags(fake_quants: list[FusedMovingAvgObsFakeQuantize]) -> None:
+    """The buffers are the truth (checkpoints, broadcasts, torch.ao's own enable_* write them): copy their
+    flags where dynamo guards on them, and re-size per-channel buffers an observer reset emptied."""
+    for m in fake_quants:
+        m.__dict__["_qlightning_flags"] = _flags(m)
+        channels = m.__dict__.get("_qlightning_channels")
+        if channels is not None and m.activation_post_process.min_val.numel() != channels:
+            _size_per_channel(m, channels)
+
+
+def compile_for_training(module: nn.Module, **compile_kwargs: Any) -> int:
+    """Training forwards of ``module`` run compiled (eval, and forwards without grad, stay eager).
+
+    The fake-quants are made traceable (:func:`make_traceable`); ``module.forward`` becomes a dispatcher that
+    refreshes their flags from the buffers and calls ``torch.compile(forward)`` in training mode. A deep copy
+    of ``module`` (the engine copies before converting) runs eagerly: the dispatcher only calls the compiled
+    function of the module it was made for. Returns the number of traceable fake-quants.
+    """
+    decompile(module)
+    count = make_traceable(module)
+    fake_quants = list(traceable_fake_quants(module))
+    eager: Callable[..., Any] = module.forward
+    compiled = torch.compile(eager, **compile_kwargs)
+    owner = id(module)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if id(self) == owner and self.training and torch.is_grad_enabled():
+            _refresh_flags(fake_quants)
+            return compiled(*args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+
+    module.__dict__["_qlightning_compiled"] = (forward, eager)
+    module.forward = types.MethodType(forward, module)
+    return count
+
+
+def is_compiled(module: nn.Module) -> bool:
+    return any("_qlightning_compiled" in m.__dict__ for m in module.modules())
+
+
+def decompile(module: nn.Module) -> int:
+    """Undo :func:`compile_for_training` and :func:`make_traceable` on ``module``; return how many fake-quants it restored."""
+    for m in module.modules():
+        if m.__dict__.pop("_qlightning_compiled", None) is not None:
+            m.__dict__.pop("forward", None)
+    count = 0
+    for m in list(traceable_fake_quants(module)):
+        del m.forward
+        m.__dict__.pop("_qlightning_flags", None)
+        m.__dict__.pop("_qlightning_channels", None)
+        count += 1
+    return count

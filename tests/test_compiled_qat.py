@@ -1,0 +1,154 @@
+"""The compiled QAT training path (``engine_options.compile``, qlightning/engines/fx/compiled.py).
+
+Eagerly its traceable fake-quant is torch.ao's fused op bit for bit (every buffer after every phase);
+compiled, a fit trains like the eager one (losses within float rounding) and converts to the same int8
+model; ``auto`` decides from timed eager steps. Speed lives in ``python -m benchmarks compile``.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import make_trainer, test_accuracy
+from qlightning import Phase, QuantizationAwareTraining, get_engine
+from qlightning.core.compile_choice import COMPILE_SECONDS, EXPECTED_SAVING, TIMED_STEPS, CompileDecider, phases_left
+from qlightning.core.schedule import Milestone, Schedule
+from qlightning.engines.fx.compiled import choose_qparams, decompile, make_traceable
+from qlightning.errors import ConfigError
+from qlightning.examples import DigitsClassifier, DigitsDataModule
+from test_fast_qat import ResBlockNet, _data, _prepare, _train
+
+PHASES = [(0, Phase(False, False, False)), (1, Phase(False, True, False)), (2, Phase(True, True, False)),
+          (4, Phase(True, False, False)), (5, Phase(True, False, True))]
+ON, OFF = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+
+
+@pytest.mark.parametrize("net_cls", [lambda: DigitsClassifier().net, ResBlockNet])
+def test_traceable_fake_quant_is_torch_aos_fused_op_bit_for_bit(net_cls):
+    """Float, observing, fake-quant, observers frozen, BN frozen: every output, gradient and buffer equal."""
+    torch.manual_seed(0)
+    x, y = _data()
+    reference = _prepare(net_cls(), x, fast_qat=False)
+    traceable = copy.deepcopy(reference)
+    assert make_traceable(traceable) >= 5
+    _train(reference, x, y, 7, PHASES)
+    _train(traceable, x, y, 7, PHASES)
+    expected, got = reference.state_dict(), traceable.state_dict()
+    assert expected.keys() == got.keys()
+    assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
+    assert decompile(traceable) >= 5 and "forward" not in traceable.get_submodule("activation_post_process_0").__dict__
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    low=st.floats(-1e4, 1e4, width=32), high=st.floats(-1e4, 1e4, width=32),
+    magnitude=st.sampled_from([1e-12, 1e-7, 1e-4, 1.0, 1e3]),
+    qrange=st.sampled_from([(0, 127, False), (0, 255, False), (-128, 127, True), (-64, 63, True), (-7, 7, True), (0, 15, False)]),
+)
+def test_qparams_are_the_fused_ops_own(low, high, magnitude, qrange):
+    """ChooseQuantizationParams transcribed: the same float32 scale and zero point as the op, tiny and huge ranges too."""
+    qmin, qmax, symmetric = qrange
+    lo, hi = sorted((low * magnitude, high * magnitude))
+    running_min, running_max = torch.tensor([lo]), torch.tensor([hi])
+    scale, zero_point = torch.ones(1), torch.zeros(1, dtype=torch.int32)
+    torch.fused_moving_avg_obs_fake_quant(torch.zeros(1), OFF, ON, running_min, running_max, scale, zero_point,
+                                          0.01, qmin, qmax, 0, False, symmetric)
+    ours = choose_qparams(running_min, running_max, qmin, qmax, symmetric)
+    assert (ours[0].item(), ours[1].item()) == (scale.item(), zero_point.item()), (lo, hi, qrange)
+
+
+def test_auto_compiles_only_when_the_saving_pays_for_the_compiles():
+    decider = CompileDecider("auto", supported=True)
+    for _ in range(TIMED_STEPS + 1):
+        assert decider.pending and not decider.ready()
+        decider.add_step(0.1)
+    assert decider.ready()
+    break_even = COMPILE_SECONDS / (0.1 * EXPECTED_SAVING)  # steps that save one compile
+    short = copy.deepcopy(decider).decide(steps_left=2 * break_even, compiles=3)
+    long = decider.decide(steps_left=4 * break_even, compiles=3)
+    assert not short.compiled and long.compiled and "3 compile(s)" in long.reason
+    assert long.to_dict()["eager_step_ms"] == 100.0
+    assert not CompileDecider("auto", supported=False).choice.compiled
+    assert not CompileDecider("on", supported=True, processes=2).choice.compiled
+    assert CompileDecider("on", supported=True).choice.compiled and not CompileDecider("off", True).choice.compiled
+    schedule = Schedule(Milestone(epoch=3), Milestone(epoch=6), Milestone(epoch=6))
+    assert [phases_left(schedule, 0, e) for e in (0, 3, 6)] == [4, 3, 1]
+
+
+def test_compile_option_is_checked_with_its_choices():
+    with pytest.raises(ConfigError, match=r"engine_options.compile='sometimes': one of \['auto', 'on', 'off'\]"):
+        QuantizationAwareTraining(engine_options={"compile": "sometimes"})
+    with pytest.raises(ConfigError, match=r"engine_options.compile: unknown option for engine 'pt2e'"):
+        QuantizationAwareTraining(engine="pt2e", engine_options={"compile": True})
+    for value in ("auto", "on", "off", True, False):
+        QuantizationAwareTraining(engine_options={"compile": value})
+
+
+def _fit(compile_mode: str, seed: int = 0):
+    pl.seed_everything(seed)
+    dm = DigitsDataModule(seed=0)
+    model = DigitsClassifier()
+    losses: list[float] = []
+
+    class Losses(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    # two phases (fake-quant with observers, then observers and BN frozen): two compiles; whole batches only
+    # (limit_train_batches), so no recompile for an epoch's last, smaller batch
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"step": 0}, observer_freeze={"step": 60},
+                                    bn_freeze={"step": 60}, engine_options={"compile": compile_mode})
+    trainer = make_trainer([qat, Losses()], max_epochs=-1, max_steps=90, limit_train_batches=15, limit_val_batches=2,
+                           val_check_interval=15)
+    trainer.fit(model, datamodule=dm)
+    return model, dm, qat, losses
+
+
+@pytest.mark.slow  # two short fits, one of them compiled: inductor's compiles dominate (~1-3 min on 2 cores)
+def test_compiled_fit_trains_like_eager_and_converts_to_the_same_int8_model():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager_model, dm, eager_qat, eager_losses = _fit("off")
+    compiled_model, _, compiled_qat, compiled_losses = _fit("on")
+    assert compiled_qat.session.compile_choice["compiled"] and not eager_qat.session.compile_choice["compiled"]
+    frames = torch._dynamo.utils.counters["frames"]
+    assert frames["ok"] == 2, dict(frames)  # one graph per phase: the phase change recompiled once (eval stays eager)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    # the same computation up to float rounding (inductor's reduction order; a value on a rounding boundary of
+    # the fake-quant grid can land on the other side), which compounds chaotically over many steps, as in
+    # compiled float training: the first steps close, the end alike
+    assert compiled_losses[0] == pytest.approx(eager_losses[0], rel=1e-3)
+    assert compiled_losses[:5] == pytest.approx(eager_losses[:5], rel=1e-2)
+    late = statistics.mean(compiled_losses[-10:]), statistics.mean(eager_losses[-10:])
+    assert abs(late[0] - late[1]) <= 0.1 * late[1] + 0.02, late
+    dm.setup()
+    x, _ = dm.splits["test"].tensors
+    with torch.no_grad():
+        agreement = (eager_model.net(x).argmax(1) == compiled_model.net(x).argmax(1)).float().mean().item()
+    accuracies = test_accuracy(eager_model.net, dm), test_accuracy(compiled_model.net, dm)
+    assert accuracies[0] > 0.9 and abs(accuracies[1] - accuracies[0]) <= 0.02, accuracies
+    assert agreement >= 0.97, (agreement, accuracies)
+    # converted from the decompiled module: the fake-quant copy the parity gate and exports use is eager
+    fake_quant = compiled_qat.fake_quant_modules["net"]
+    assert not any("_qlightning_compiled" in m.__dict__ or "_qlightning_flags" in m.__dict__ for m in fake_quant.modules())
+
+
+def test_engine_compile_pair_is_symmetric():
+    x, _ = _data()
+    engine = get_engine("fx")
+    prepared = _prepare(DigitsClassifier().net, x)
+    assert engine.compiles_training and engine.compile_training(prepared)
+    assert "forward" in prepared.__dict__
+    clone = copy.deepcopy(prepared)  # a copy runs eagerly (the dispatcher calls only its own module's graph)
+    with torch.no_grad():
+        clone.eval()
+        clone(x)
+    engine.decompile(prepared)
+    assert "forward" not in prepared.__dict__ and "_qlightning_compiled" not in prepared.__dict__
