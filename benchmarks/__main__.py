@@ -32,6 +32,8 @@ Examples::
     python -m benchmarks equivalence             # fast path vs torch.ao after a few steps
     python -m benchmarks accuracy                # digits int8 accuracy, torch.ao vs fast path, 3 seeds
     python -m benchmarks options --model transformer --off fast_linear   # A/B of engine options
+    python -m benchmarks compile                 # the compiled QAT path (engine_options.compile) vs eager and compiled float
+    python -m benchmarks fit                     # wall time of whole Trainer.fit runs: float, QAT defaults, compile=on
 """
 
 from __future__ import annotations
@@ -318,10 +320,28 @@ def run_options(args: argparse.Namespace) -> None:
     print(json.dumps({name: round(value / med["float"], 3) for name, value in med.items()}, indent=2))
 
 
+def run_compile(args: argparse.Namespace) -> None:
+    """The compiled QAT training path beside eager and compiled float, per model; writes results/compile-<time>.json."""
+    from benchmarks import suites
+    from benchmarks.models import model_spec
+
+    names = [n for n in (args.models.split(",") if args.models else MODEL_NAMES)]
+    out = {"machine": machine(args), "models": {}}
+    for name in names:
+        _log(f"compile: {name}")
+        out["models"][name] = suites.compiled_step_ratios(model_spec(name, args.quick), args.repeats or 20, args.clock)
+        print(json.dumps({name: out["models"][name]}, indent=2), flush=True)
+    path = Path(args.out).with_suffix(".json") if args.out else RESULTS / f"compile-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    if path.exists() and not args.overwrite:
+        raise SystemExit(f"{path} exists; --overwrite to replace it")
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    _log(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy", "options", "readme"))
+    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy", "options", "readme", "compile", "fit"))
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--repeats", type=int, default=0, help="repeats per timing (default: per model and mode)")
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer candidates (< ~3 min on 2 cores)")
@@ -364,6 +384,16 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks import readme
 
         readme.main(Path(args.results) if args.results else readme.RESULTS_FILE, write=args.write)
+        return None
+    if args.command == "compile":
+        return run_compile(args)
+    if args.command == "fit":
+        from benchmarks import suites
+
+        result = {"machine": machine(args), "fits": suites.fit_wall_times(repeats=args.repeats or 3)}
+        path = Path(args.out).with_suffix(".json") if args.out else RESULTS / f"fit-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["fits"], indent=2))
         return None
     if args.command == "accuracy":
         from benchmarks import suites

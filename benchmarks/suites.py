@@ -118,6 +118,95 @@ def qat_step_ratios(spec: ModelSpec, repeats: int, clock: str, pt2e: bool = True
     }
 
 
+def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str) -> dict[str, Any]:
+    """The compiled QAT path (``engine_options.compile``) beside eager float, compiled float and the eager paths.
+
+    Observing (fake-quant and observers on) and frozen (observers and BN frozen) phases; each compiled variant's
+    first two calls (the compile: forward + backward graphs) are timed on the wall clock and reported apart.
+    """
+    from qlightning.engines.fx.compiled import compile_for_training
+
+    torch.manual_seed(0)
+    float_model = spec.build()
+    x, y = spec.inputs(spec.train_batch), spec.labels(spec.train_batch)
+    example = x[:1]
+
+    def frozen(module: nn.Module) -> nn.Module:
+        with torch.no_grad():
+            module(x)  # observers calibrated once, then frozen (the late QAT phase)
+        return set_phase(module, QAT_FROZEN)
+
+    variants: dict[str, nn.Module] = {"float": float_model}
+    compiled_float = copy.deepcopy(float_model)
+    compiled_float.compile()
+    variants["float, compiled"] = compiled_float
+    variants["torch.ao FX"] = set_phase(torchao_fx_prepare(copy.deepcopy(float_model), example), QAT_ON)
+    variants["qlightning FX"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON)
+    variants["qlightning FX, frozen"] = frozen(set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON))
+    for label, frozen_phase in (("qlightning FX compiled", False), ("qlightning FX compiled, frozen", True)):
+        module = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, fast=False), QAT_ON)
+        compile_for_training(module)
+        variants[label] = frozen(module) if frozen_phase else module
+    fns = {name: train_step(m, x, y) for name, m in variants.items()}
+    compile_s = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        fn()
+        fn()
+        if "compiled" in name:
+            compile_s[name] = round(time.perf_counter() - start, 1)
+    stats = interleaved_medians(fns, repeats, warmup=3, clock=clock)
+    med = medians(stats)
+    return {
+        "batch": spec.train_batch,
+        "step_ms": {k: round(v * 1e3, 3) for k, v in med.items()},
+        "over_float": {k: round(v / med["float"], 3) for k, v in med.items() if k != "float"},
+        "over_compiled_float": {k: round(v / med["float, compiled"], 3) for k, v in med.items() if "compiled" in k and k != "float, compiled"},
+        "first_two_steps_s": compile_s,
+        "repeats": repeats,
+    }
+
+
+def fit_wall_times(epochs: tuple[int, ...] = (3, 30), repeats: int = 3) -> dict[str, Any]:
+    """Wall time of a whole ``Trainer.fit`` of the digits classifier: float, with the callback's defaults, and with
+    ``engine_options.compile=on``; each QAT fit over the float fit of the same length (medians of ``repeats``,
+    variants interleaved). Set-up, validation, conversion and the fidelity check at fit end are all in it."""
+    import lightning.pytorch as pl
+
+    from qlightning import QuantizationAwareTraining
+    from qlightning.examples import DigitsClassifier, DigitsDataModule
+
+    def fit(epochs: int, callback: Optional[Callable[[], Any]]) -> Callable[[], float]:
+        def run() -> float:
+            pl.seed_everything(0, verbose=False)
+            trainer = pl.Trainer(max_epochs=epochs, callbacks=[callback()] if callback else [], logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 accelerator="cpu", devices=1)
+            start = time.perf_counter()
+            with quiet():
+                trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
+            return time.perf_counter() - start
+        return run
+
+    out: dict[str, Any] = {}
+    for n in epochs:
+        variants = {
+            "float": fit(n, None),
+            "QAT, defaults": fit(n, lambda: QuantizationAwareTraining(modules=["net"])),
+            "QAT, compile=on": fit(n, lambda: QuantizationAwareTraining(modules=["net"], engine_options={"compile": "on"})),
+        }
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(repeats):
+            for name, run in variants.items():
+                times[name].append(run())
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        out[f"{n} epochs"] = {"fit_s": {k: round(v, 2) for k, v in med.items()},
+                              "over_float": {k: round(v / med["float"], 2) for k, v in med.items() if k != "float"},
+                              "all_s": {k: [round(t, 2) for t in v] for k, v in times.items()}}
+        _log(f"fit {n} epochs: {out[f'{n} epochs']['fit_s']}")
+    return out
+
+
 def fast_path_equivalence(spec: ModelSpec, steps: int = 3) -> dict[str, Any]:
     """Train the torch.ao-prepared model and the fast one side by side from the same state; compare."""
     from qlightning.engines.fx.fast_fq import swap_fake_quant

@@ -152,3 +152,37 @@ def test_engine_compile_pair_is_symmetric():
         clone(x)
     engine.decompile(prepared)
     assert "forward" not in prepared.__dict__ and "_qlightning_compiled" not in prepared.__dict__
+
+
+def test_auto_times_eager_steps_then_compiles_a_run_long_enough(monkeypatch):
+    """``auto``: eager for the timed steps, then one decision; with compiling made free it compiles (the engine's
+    compile is recorded here, not run: the compiled fit is the slow test above)."""
+    from qlightning.core import compile_choice
+    from qlightning.engines.fx.engine import FxEngine
+
+    calls = []
+    monkeypatch.setattr(compile_choice, "COMPILE_SECONDS", 0.0)
+    monkeypatch.setattr(FxEngine, "compile_training", lambda self, module: calls.append(module) or True)
+    pl.seed_everything(0)
+    steps = []
+
+    class Steps(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            steps.append((trainer.global_step, len(calls)))
+
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"step": 3}, observer_freeze={"step": 10})
+    trainer = make_trainer([Steps(), qat], max_epochs=-1, max_steps=12, limit_val_batches=0)
+    trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
+    assert len(calls) == 1 and isinstance(calls[0], torch.fx.GraphModule)
+    assert [s for s, n in steps if n == 0] == list(range(1, TIMED_STEPS + 2))  # the timed steps ran eager
+    choice = qat.session.compile_choice
+    assert choice["compiled"] and choice["mode"] == "auto" and choice["steps_left"] == 12 - TIMED_STEPS - 1
+    assert choice["compiles_expected"] == 2  # fake-quant on, observers still to freeze
+
+
+def test_auto_stays_eager_on_a_short_fit():
+    pl.seed_everything(0)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"step": 3}, observer_freeze={"step": 10})
+    make_trainer([qat], max_epochs=-1, max_steps=12, limit_val_batches=0).fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
+    choice = qat.session.compile_choice
+    assert not choice["compiled"] and "compile(s)" in choice["reason"] and choice["eager_step_ms"] > 0

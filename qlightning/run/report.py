@@ -176,6 +176,7 @@ def build_report(
         "modules": list(session.targets),
         "engine": session.engine.name,
         "lowering": dict(session.lowering_choices),
+        "compiled_training": session.compile_choice,  # engine_options.compile: what was decided and why
         "backend": session.backend,
         "metrics": metrics,
         "size_bytes": size,
