@@ -10,13 +10,8 @@ example input (output SQNR and top-1 agreement) and keeps the fastest that passe
     the engine's own converted module, run eagerly (FX: torch.ao ``convert_fx`` lowered to the
     fbgemm / x86 / onednn kernels; PT2E: torchao's q/dq reference graph).
 ``onnxruntime``
-<<<<<<< HEAD:qlightning/quantize/lowering.py
-    the q/dq graph (:func:`qlightning.run.export.qdq_module` semantics: activations over the full range
-    of their dtype, weights as int8 constants) exported to QDQ ONNX and run by onnxruntime's CPU
-=======
-    the q/dq graph (:func:`qlightning.export.qdq_module` semantics: the int8 model's qparams and
+    the q/dq graph (:func:`qlightning.run.export.qdq_module` semantics: the int8 model's qparams and
     activation ranges, weights as int8 constants) exported to QDQ ONNX and run by onnxruntime's CPU
->>>>>>> fidelity:qlightning/lowering.py
     provider, which fuses QDQ pairs into QLinearConv / MatMulInteger kernels.
 ``inductor``
     the same q/dq graph compiled by ``torch.compile`` (inductor) with ``freezing`` on: inductor's
