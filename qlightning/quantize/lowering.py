@@ -10,7 +10,7 @@ example input (output SQNR and top-1 agreement) and keeps the fastest that passe
     the engine's own converted module, run eagerly (FX: torch.ao ``convert_fx`` lowered to the
     fbgemm / x86 / onednn kernels; PT2E: torchao's q/dq reference graph).
 ``onnxruntime``
-    the q/dq graph (:func:`qlightning.run.export.qdq_module` semantics: the int8 model's qparams and
+    the q/dq graph (:func:`reference_qdq_module` semantics: the int8 model's qparams and
     activation ranges, weights as int8 constants) exported to QDQ ONNX and run by onnxruntime's CPU
     provider, which fuses QDQ pairs into QLinearConv / MatMulInteger kernels.
 ``inductor``
