@@ -237,10 +237,6 @@ def compile_for_training(module: nn.Module, **compile_kwargs: Any) -> int:
     return count
 
 
-def is_compiled(module: nn.Module) -> bool:
-    return any("_qlightning_compiled" in m.__dict__ for m in module.modules())
-
-
 def decompile(module: nn.Module) -> int:
     """Undo :func:`compile_for_training` and :func:`make_traceable` on ``module``; return how many fake-quants it restored."""
     for m in module.modules():
