@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from qlightning.core.inputs import Inputs, flat_tensors, source_of
-from qlightning.core.metrics import MAX_SQNR_DB, ratio_db, top1_agreement
+from qlightning.core.metrics import MAX_SQNR_DB, ratio_db, summed_sqnr_db, top1_agreement
 
 ON_BREACH = ("fail", "warn", "fallback")
 
@@ -95,6 +95,7 @@ class ModuleFidelity:
     worst_layers: list[list[Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     action: str = "kept int8"
+    against: str = "fake-quant"
 
     @property
     def passed(self) -> bool:
@@ -106,7 +107,7 @@ class ModuleFidelity:
         return data
 
     def describe(self) -> str:
-        head = f"{self.module}: int8 vs fake-quant"
+        head = f"{self.module}: int8 vs {self.against}"
         if self.error:
             return f"{head}: {self.error}"
         figures = f"SQNR {self.sqnr_db:.1f} dB" if self.sqnr_db is not None else "SQNR n/a"
@@ -263,6 +264,7 @@ def compare_modules(
     min_sqnr_db: float,
     min_top1: float,
     inputs: str = "",
+    against: str = "fake-quant",
 ) -> ModuleFidelity:
     """Compare ``candidate`` (int8, as executed) with ``reference`` (fake-quant) on ``batches``.
 
@@ -274,8 +276,9 @@ def compare_modules(
         min_sqnr_db: the SQNR breach threshold.
         min_top1: the top-1 agreement breach threshold.
         inputs: where the batches came from, in words.
+        against: what the reference is, in words (PTQ compares with the float module).
     """
-    result = ModuleFidelity(module=name, inputs=inputs)
+    result = ModuleFidelity(module=name, inputs=inputs, against=against)
     ref = _outputs(reference, batches)
     try:
         cand = _outputs(candidate, batches)
@@ -283,18 +286,10 @@ def compare_modules(
         result.error = f"the int8 forward fails: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}{_failing_op(exc)}"
         result.problems.append(result.error)
         return result
-    signal = noise = 0.0
-    for r_list, c_list in zip(ref, cand):
-        if len(r_list) != len(c_list):
-            signal, noise = 1.0, float("inf")
-            break
-        for r, c in zip(r_list, c_list):
-            if r.shape != c.shape:
-                signal, noise = 1.0, float("inf")
-                break
-            signal += float(r.double().pow(2).sum())
-            noise += float((r.double() - c.double()).pow(2).sum())
-    result.sqnr_db = round(ratio_db(signal, noise), 2)
+    if any(len(r_list) != len(c_list) for r_list, c_list in zip(ref, cand)):
+        result.sqnr_db = -MAX_SQNR_DB
+    else:
+        result.sqnr_db = round(summed_sqnr_db(pair for r_list, c_list in zip(ref, cand) for pair in zip(r_list, c_list)), 2)
     firsts_r = [r[0] for r in ref if r]
     firsts_c = [c[0] for c in cand if c]
     if firsts_r and firsts_c and all(a.dim() >= 2 for a in firsts_r + firsts_c):
@@ -311,6 +306,35 @@ def compare_modules(
     if result.problems:
         _name_layers(result, reference, candidate, batches, min_sqnr_db)
     return result
+
+
+def breach_message(who: str, reference: str, breaches: Sequence[ModuleFidelity], config: FidelityConfig,
+                   fallback: str) -> str:
+    """The one message of a failed gate: every breach, a mapping entry that keeps the first departing
+    layer float, and (``on_breach="fail"``) the options that keep going.
+
+    Args:
+        who: the callback, e.g. ``"QuantizationAwareTraining"``.
+        reference: what int8 was compared with, in words.
+        breaches: the failed comparisons.
+        config: the gate's thresholds and ``on_breach``.
+        fallback: what ``on_breach="fallback"`` ships instead, in words.
+    """
+    message = (
+        f"{who}: the int8 model departs from {reference} "
+        f"(fidelity: SQNR >= {config.min_sqnr_db:g} dB, top-1 agreement >= {config.min_top1_agreement:g}):\n"
+        + "\n".join(f"  - {b.describe()}" for b in breaches)
+    )
+    layers = [b.first_departing_layer.split(" (")[0] for b in breaches if b.first_departing_layer]
+    if layers:
+        message += (
+            "\n  (to keep a departing layer in float: qconfig_mapping {'module_name': [{'name': "
+            f"'{layers[0]}', 'qconfig': None}}]}} (names inside the quantized submodule))"
+        )
+    if config.on_breach == "fail":
+        message += (f"\n  (fidelity on_breach='warn' keeps the int8 model, 'fallback' {fallback}; "
+                    "thresholds: fidelity min_sqnr_db / min_top1_agreement)")
+    return message
 
 
 def _name_layers(result: ModuleFidelity, reference: nn.Module, candidate: nn.Module, batches: Sequence[Inputs],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -37,6 +37,24 @@ def sqnr_db(reference: torch.Tensor, candidate: torch.Tensor) -> float:
     if ref.shape != cand.shape:
         return -MAX_SQNR_DB
     return ratio_db(float(ref.pow(2).sum()), float((ref - cand).pow(2).sum()))
+
+
+def summed_sqnr_db(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """:func:`sqnr_db` over many ``(reference, candidate)`` tensor pairs: signal and noise summed over all of them.
+
+    A pair whose shapes differ makes the whole comparison -200 dB, as in :func:`sqnr_db`.
+
+    Args:
+        pairs: ``(reference, candidate)`` tensors, e.g. each output of each held batch.
+    """
+    signal = noise = 0.0
+    for reference, candidate in pairs:
+        if reference.shape != candidate.shape:
+            return -MAX_SQNR_DB
+        ref, cand = reference.detach().double(), candidate.detach().double()
+        signal += float(ref.pow(2).sum())
+        noise += float((ref - cand).pow(2).sum())
+    return ratio_db(signal, noise)
 
 
 def ratio_db(signal: float, noise: float) -> float:

@@ -42,6 +42,7 @@ from torch import nn
 
 from qlightning.core.inputs import Inputs
 from qlightning.core.metrics import sqnr_db as _sqnr_db
+from qlightning.core.metrics import summed_sqnr_db
 from qlightning.engines.fx import ao as fx_ao
 from qlightning.quantize.calibration import calibrate_and_convert
 from qlightning.errors import ConfigError, TraceError
@@ -513,8 +514,7 @@ def layer_output_sqnr(
     (:func:`fused_reference`) so names and outputs match FX's converted module.
     """
     layers = list(layers)
-    signal = {n: 0.0 for n in layers}
-    noise = {n: 0.0 for n in layers}
+    pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in layers}
     for inp in inputs:
         outs: dict[str, dict[str, torch.Tensor]] = {"ref": {}, "q": {}}
         handles = []
@@ -537,10 +537,8 @@ def layer_output_sqnr(
                 h.remove()
         for n in layers:
             if n in outs["ref"] and n in outs["q"]:
-                r, q = outs["ref"][n], outs["q"][n]
-                signal[n] += float(r.pow(2).sum())
-                noise[n] += float((r - q).pow(2).sum())
-    return {n: (math.inf if noise[n] == 0 else 10 * math.log10(signal[n] / noise[n])) for n in layers if signal[n] > 0}
+                pairs[n].append((outs["ref"][n], outs["q"][n]))
+    return {n: summed_sqnr_db(pairs[n]) for n in layers if any(bool(r.any()) for r, _ in pairs[n])}
 
 
 def fused_reference(module: nn.Module) -> nn.Module:
@@ -575,15 +573,9 @@ def select_input_weight_equalization(
         return calibrate_and_convert(float_module, inputs, spec, engine=engine, equalization_config=mapping)
 
     def output_sqnr(q: nn.Module) -> float:
-        signal = noise = 0.0
         with torch.no_grad():
-            for inp in inputs:
-                r = reference(*inp.args, **inp.kwargs)
-                o = q(*inp.args, **inp.kwargs)
-                if isinstance(r, torch.Tensor) and isinstance(o, torch.Tensor):
-                    signal += float(r.double().pow(2).sum())
-                    noise += float((r.double() - o.double()).pow(2).sum())
-        return math.inf if noise == 0 else 10 * math.log10(signal / noise)
+            outputs = [(reference(*inp.args, **inp.kwargs), q(*inp.args, **inp.kwargs)) for inp in inputs]
+        return summed_sqnr_db((r, o) for r, o in outputs if isinstance(r, torch.Tensor) and isinstance(o, torch.Tensor))
 
     plain = ptq(None)
     base = layer_output_sqnr(reference, plain, inputs, candidates)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from qlightning.core.inputs import Inputs, first_tensor, flat_tensors
-from qlightning.core.metrics import MAX_SQNR_DB, ratio_db, sqnr_db, top1_agreement  # noqa: F401  re-exported
+from qlightning.core.metrics import MAX_SQNR_DB, ratio_db, sqnr_db, summed_sqnr_db, top1_agreement  # noqa: F401  re-exported
 from qlightning.core.fidelity import _is_quant_module, layer_nodes, per_layer_sqnr, record, worst_layers  # noqa: F401  re-exported
 from qlightning.errors import QLightningError
 from qlightning.run.report import quiet_lightning
@@ -134,16 +134,9 @@ def compare(
                       error=f"{missing} could not be run: {errors.get(missing, 'not available')}")
             )
             continue
-        signal = noise = 0.0
-        for r, c in zip(ref, cand):
-            if r.shape != c.shape:
-                signal, noise = 1.0, float("inf")
-                break
-            signal += float(r.double().pow(2).sum())
-            noise += float((r.double() - c.double()).pow(2).sum())
         top1 = top1_agreement(ref[0], cand[0]) if ref and cand else None
         samples = int(ref[0].shape[0]) if ref and ref[0].dim() > 0 else 1
-        checks.append(Check(module, candidate, reference, ratio_db(signal, noise), top1, gated, True, samples))
+        checks.append(Check(module, candidate, reference, summed_sqnr_db(zip(ref, cand)), top1, gated, True, samples))
     return checks
 
 
