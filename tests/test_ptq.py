@@ -20,6 +20,7 @@ from qlightning.callbacks.ptq import (
     ptq_baseline,
     run_to_targets,
 )
+from qlightning.errors import FidelityError
 from qlightning.examples import DigitsClassifier, DigitsDataModule
 from qlightning.examples.digits import ClassifierModule
 from qlightning.engines.fx.qconfigs import ptq_qconfig_mapping
@@ -57,6 +58,43 @@ def test_fit_trains_in_float_then_calibrates_and_converts_at_fit_end(ptq_fit):
     int8_acc = trainer.test(model, datamodule=dm, verbose=False)[0]["test/accuracy"]
     assert float_acc > 0.95
     assert int8_acc >= float_acc - 0.01, (int8_acc, float_acc)
+
+
+def test_the_gate_compares_int8_with_the_float_model_on_calibration_batches(ptq_fit):
+    """PTQ had no gate (issue 14): now the int8 model as it runs is compared with the float submodule."""
+    *_, ptq, _ = ptq_fit
+    result = ptq.fidelity_results["net"]
+    assert result["passed"] and result["against"] == "float" and result["inputs"] == "4 train calibration batches"
+    assert result["sqnr_db"] >= 25 and result["top1_agreement"] >= 0.98  # 34 dB measured (FX), 38 dB (PT2E)
+
+
+def _ptq_on_trained(fidelity, engine="fx"):
+    pl.seed_everything(0)
+    model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
+    make_trainer([], max_epochs=2).fit(model, datamodule=dm)
+    float_net = copy.deepcopy(model.net).eval()
+    ptq = PostTrainingQuantization(modules=["net"], engine=engine, num_calibration_batches=4, fidelity=fidelity)
+    return model, dm, ptq, float_net
+
+
+def test_a_ptq_model_that_departs_fails_naming_the_module_before_evaluating():
+    model, dm, ptq, _ = _ptq_on_trained({"min_sqnr_db": 150.0})  # no real int8 model reaches 150 dB
+    with pytest.raises(FidelityError) as info:
+        make_trainer([ptq]).validate(model, datamodule=dm, verbose=False)
+    text = str(info.value)
+    assert "PostTrainingQuantization: the int8 model departs from the float model it was calibrated from" in text
+    assert "net: int8 vs float" in text and "< 150 dB" in text and "'fallback' keeps the float module" in text
+
+
+@pytest.mark.parametrize("engine", ["fx", "pt2e"])
+def test_ptq_on_breach_fallback_keeps_the_float_module_and_says_so(engine):
+    model, dm, ptq, float_net = _ptq_on_trained({"min_sqnr_db": 150.0, "on_breach": "fallback"}, engine)
+    with pytest.warns(UserWarning, match="departs from the float model"):
+        make_trainer([ptq]).validate(model, datamodule=dm, verbose=False)
+    assert ptq.fidelity_results["net"]["action"] == "fell back to the float module"
+    x, _ = dm.splits["test"].tensors
+    with torch.no_grad():
+        assert torch.allclose(model.net(x), float_net(x), atol=1e-4)  # the float net (FX folds BN: float rounding)
 
 
 def test_checkpoints_written_during_fit_hold_float_weights(ptq_fit):

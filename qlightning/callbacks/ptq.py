@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -22,14 +22,15 @@ from qlightning.callbacks.base import SessionCallback, check_common_arguments
 from qlightning.callbacks.calibration_data import _STEP, calibration_batches, collect_inputs
 from qlightning.callbacks.distributed import broadcast_buffers
 from qlightning.callbacks.qat import QuantizationAwareTraining
+from qlightning.core.fidelity import PTQ_FIDELITY, FidelityConfig, breach_message, compare_modules
 from qlightning.core.inputs import Inputs, RandomStates, as_inputs, capture_inputs, evaluating, example_inputs_for, resolve_targets
 from qlightning.core.session import QuantSession, set_submodule
 from qlightning.engines import BACKENDS, ENGINES, QuantEngine, QuantSpec, get_engine
 from qlightning.engines.fx.qconfigs import dynamic_qconfig_mapping, quantize_dynamic_eager
 from qlightning.quantize.equalization import equalized_layers
-from qlightning.quantize.calibration import calibrate, calibrate_and_convert, float_module_from, run_to_targets, spec_for_ptq
+from qlightning.quantize.calibration import calibrate, calibrate_and_convert, detach_shallow, float_module_from, run_to_targets, spec_for_ptq
 from qlightning.quantize.ptq import apply_cle, equalization_mapping, ptq_baseline
-from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError, TraceError
+from qlightning.errors import ConfigError, EngineUnavailableError, FidelityError, QLightningError, TraceError
 
 MODES = ("static", "dynamic", "weight_only")
 SOURCES = ("train", "val")
@@ -88,6 +89,13 @@ class PostTrainingQuantization(SessionCallback, Callback):
         dynamic_fallback: dynamic modes: ``"eager"`` (default) falls back to eager
             ``quantize_dynamic`` when FX cannot trace; ``None`` raises the trace error.
         keep_float: keep a float copy of each submodule in :attr:`float_modules`.
+        engine_options: engine switches, as for QAT (``qlightning.engines.ENGINE_OPTIONS``).
+        fidelity: the gate after converting: the int8 model as it runs against the float submodule
+            it was calibrated from, on the first ``batches`` calibration batches (dynamic modes: the
+            example inputs): output SQNR and top-1 agreement. ``True`` (default: 10 dB, since the
+            quantization noise itself is measured; top-1 agreement 0.98; ``on_breach="fail"``), ``False``, or a mapping / :class:`~qlightning.core.fidelity.FidelityConfig`;
+            ``on_breach="fallback"`` keeps the float submodule. A crashing int8 forward is a breach
+            naming the op. Results are in :attr:`fidelity_results`.
 
     Example::
 
@@ -118,9 +126,11 @@ class PostTrainingQuantization(SessionCallback, Callback):
         dynamic_fallback: Optional[str] = "eager",
         keep_float: bool = True,
         engine_options: Optional[Mapping[str, Any]] = None,
+        fidelity: Any = True,
     ) -> None:
         errors: list[str] = []
         names = check_common_arguments(modules, backend, engine, errors)
+        self.fidelity = FidelityConfig.from_value(fidelity, errors, "fidelity", defaults=PTQ_FIDELITY)
         engine_name = engine if isinstance(engine, str) else getattr(engine, "name", None)
         if mode not in MODES:
             errors.append(f"mode={mode!r}: unknown mode; valid choices: {list(MODES)}")
@@ -194,6 +204,9 @@ class PostTrainingQuantization(SessionCallback, Callback):
         #: per target: how it was converted ("fx", "pt2e", "eager") and what equalization did
         self.details: dict[str, dict[str, Any]] = {}
         self.num_calibrated = 0
+        # for the gate, between converting and comparing: the float reference and held inputs per target
+        self._references: dict[str, nn.Module] = {}
+        self._held: dict[str, list[Inputs]] = {}
 
     @property
     def engine(self) -> QuantEngine:
@@ -286,6 +299,7 @@ class PostTrainingQuantization(SessionCallback, Callback):
                 batches = itertools.islice(iter(batches), self.num_calibration_batches)
             self._quantize_static(pl_module, trainer, batches)
         self.converted = True
+        self._gate(pl_module)
         how = ", ".join(f"{n}: {d.get('path', self.engine.name)}" for n, d in self.details.items())
         calibrated = f", calibrated on {self.num_calibrated} {self.calibrate_on} batches" if self.mode == "static" else ""
         rank_zero_info(f"[qlightning] PTQ ({self.mode}, {self.backend}) of {self.targets} ({how}){calibrated}")
@@ -293,8 +307,10 @@ class PostTrainingQuantization(SessionCallback, Callback):
     def _quantize_dynamic(self, pl_module: "pl.LightningModule") -> None:
         for name in self.targets:
             float_module = pl_module.get_submodule(name)
+            if self.keep_float or self.fidelity.enabled:
+                self._references[name] = copy.deepcopy(float_module).eval()
             if self.keep_float:
-                self.float_modules[name] = copy.deepcopy(float_module).eval()
+                self.float_modules[name] = self._references[name]
             inputs = self.example_inputs.get(name)
             try:
                 if inputs is None:
@@ -308,6 +324,7 @@ class PostTrainingQuantization(SessionCallback, Callback):
                 self.details.setdefault(name, {})["fx_problem"] = str(exc).splitlines()[0]
             if inputs is not None:
                 self.inputs[name] = inputs
+                self._held[name] = [inputs]
             self.details.setdefault(name, {})["path"] = path
             set_submodule(pl_module, name, quantized)
 
@@ -351,11 +368,16 @@ class PostTrainingQuantization(SessionCallback, Callback):
         if selective_eq:
             for name in self.targets:
                 calibrate(prepared[name], cached[name])
+                self._held[name] = cached[name][: self.fidelity.batches]
             self.num_calibrated = len(cached[self.targets[0]])
         else:
+            def hold(name: str, inputs: Inputs) -> None:
+                if self.fidelity.enabled and len(self._held.setdefault(name, [])) < self.fidelity.batches:
+                    self._held[name].append(Inputs(detach_shallow(inputs.args), detach_shallow(inputs.kwargs)))
+
             with RandomStates():
                 for i, batch in enumerate(itertools.chain([first], (compat.to_module_device(b, pl_module, trainer) for b in iterator))):
-                    ran = run_to_targets(pl_module, self.targets, lambda: step(batch, i))
+                    ran = run_to_targets(pl_module, self.targets, lambda: step(batch, i), on_input=hold)
                     if i == 0 and len(ran) < len(self.targets):
                         missing = [t for t in self.targets if t not in ran]
                         raise QLightningError(
@@ -370,9 +392,42 @@ class PostTrainingQuantization(SessionCallback, Callback):
             spec = self.details[name].pop("spec")
             # the calibrated module is what ONNX / .pt2 and the gate's int8 reference are built from
             self.session.observed_modules[name] = copy.deepcopy(module).eval()
+            self._references[name] = self.session.observed_modules[name]  # observers off: the float forward
             int8 = self.engine.convert(module, spec)
             self.session.int8_modules[name] = int8
             set_submodule(pl_module, name, int8)
+
+    def _gate(self, pl_module: "pl.LightningModule") -> None:
+        """After converting: the int8 model as it runs against the float submodule; fail, warn or fall back."""
+        references, held = self._references, self._held
+        self._references, self._held = {}, {}
+        if not self.fidelity.enabled:
+            return
+        breaches = []
+        for name in self.targets:
+            if name not in references or not held.get(name):
+                self.fidelity_results[name] = {"module": name, "passed": True, "action": "not compared: no inputs held"}
+                continue
+            inputs = "the example inputs" if self.mode != "static" else f"{len(held[name])} {self.calibrate_on} calibration batches"
+            result = compare_modules(name, references[name], pl_module.get_submodule(name), held[name],
+                                     self.fidelity.min_sqnr_db, self.fidelity.min_top1_agreement, inputs, against="float")
+            if not result.passed:
+                breaches.append(result)
+                if self.fidelity.on_breach == "fallback":
+                    set_submodule(pl_module, name, copy.deepcopy(references[name]))
+                    result.action = "fell back to the float module"
+                elif self.fidelity.on_breach == "warn":
+                    result.action = "kept int8 (on_breach=warn)"
+            self.fidelity_results[name] = result.to_dict()
+            rank_zero_info(f"[qlightning] fidelity {result.describe()}")
+        if not breaches:
+            return
+        message = breach_message("PostTrainingQuantization", "the float model it was calibrated from", breaches,
+                                 self.fidelity, fallback="keeps the float module")
+        if self.fidelity.on_breach == "fail":
+            raise FidelityError(message)
+        self.notices.append(message)
+        rank_zero_warn(f"[qlightning] {message}")
 
     def _example_inputs(self, pl_module: "pl.LightningModule", step: Callable[..., Any], first: Any) -> dict[str, Inputs]:
         found = dict(self.example_inputs)

@@ -31,7 +31,7 @@ from qlightning.callbacks.distributed import (
 )
 from qlightning.core.inputs import RandomStates, as_inputs, attach_source, resolve_targets
 from qlightning.core.compile_choice import CompileDecider, phases_left
-from qlightning.core.fidelity import FidelityConfig, ModuleFidelity, compare_modules
+from qlightning.core.fidelity import FidelityConfig, ModuleFidelity, breach_message, compare_modules
 from qlightning.core.schedule import AUTO, AutoSchedule, Milestone, MilestoneLike, Phase, Schedule, unreachable
 from qlightning.core.session import QuantSession, has_submodule, set_submodule
 from qlightning.engines import QuantEngine, QuantSpec, check_engine_options, compile_mode
@@ -746,23 +746,10 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         self._held_batches = {}
         if not breaches:
             return
-        message = (
-            "QuantizationAwareTraining: the int8 model departs from the fake-quant model that trained "
-            f"(fidelity: SQNR >= {self.fidelity.min_sqnr_db:g} dB, top-1 agreement >= {self.fidelity.min_top1_agreement:g}):\n"
-            + "\n".join(f"  - {b.describe()}" for b in breaches)
-        )
-        layers = [b.first_departing_layer.split(" (")[0] for b in breaches if b.first_departing_layer]
-        if layers:
-            # the config that routes around it: the first departing layer left in float
-            message += (
-                "\n  (to keep a departing layer in float: qconfig_mapping {'module_name': [{'name': "
-                f"'{layers[0]}', 'qconfig': None}}]}} (names inside the quantized submodule))"
-            )
+        message = breach_message("QuantizationAwareTraining", "the fake-quant model that trained", breaches,
+                                 self.fidelity, fallback="keeps the fake-quant module")
         if self.fidelity.on_breach == "fail":
-            raise FidelityError(
-                message + "\n  (fidelity on_breach='warn' keeps the int8 model, 'fallback' keeps the fake-quant module; "
-                "thresholds: fidelity min_sqnr_db / min_top1_agreement)"
-            )
+            raise FidelityError(message)
         self.notices.append(message)
         rank_zero_warn(f"[qlightning] {message}")
 

@@ -145,7 +145,7 @@ def build_callback(cfg: DictConfig) -> Any:
         if _enum_value(cfg.quant.method) == "ptq":
             for key in ("fake_quant_start", "observer_freeze", "bn_freeze", "observe_stages", "convert_on_fit_end",
                         "lowering", "lowering_candidates", "lowering_batch_size", "lowering_min_sqnr_db",
-                        "fidelity", "on_incomplete_schedule", "calibration_batches"):
+                        "on_incomplete_schedule", "calibration_batches"):
                 kwargs.pop(key, None)
             user_options = kwargs.pop("engine_options") or {}
             check_engine_options(kwargs["engine"], user_options, errors, "quant.engine_options")

@@ -10,30 +10,24 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
-from qlightning.callbacks.qat import ON_INCOMPLETE
+from qlightning.callbacks.ptq import MODES, SOURCES
+from qlightning.callbacks.qat import ON_INCOMPLETE, STAGES
 from qlightning.config.export_schema import ExportConf, ParityConf
 from qlightning.core.fidelity import ON_BREACH
+from qlightning.engines import BACKENDS, ENGINES
+from qlightning.quantize.lowering import CANDIDATES
 
 SCHEMA_VERSION = 1
 
 
-class EngineName(str, Enum):
-    fx = "fx"
-    pt2e = "pt2e"
+def _choices(name: str, values: Any) -> Any:
+    """A str Enum of the runtime's own table of choices (one list per choice, kept where it is used)."""
+    return Enum(name, {value: value for value in values}, type=str)
 
 
-class Backend(str, Enum):
-    x86 = "x86"
-    fbgemm = "fbgemm"
-    qnnpack = "qnnpack"
-    onednn = "onednn"
-
-
-class Lowering(str, Enum):
-    fx = "fx"
-    auto = "auto"
-    onnxruntime = "onnxruntime"
-    inductor = "inductor"
+EngineName = _choices("EngineName", ENGINES)
+Backend = _choices("Backend", BACKENDS)
+Lowering = _choices("Lowering", ("fx", "auto", *(c for c in CANDIDATES if c != "fx")))
 
 
 class Method(str, Enum):
@@ -41,15 +35,8 @@ class Method(str, Enum):
     ptq = "ptq"
 
 
-class PtqMode(str, Enum):
-    static = "static"
-    dynamic = "dynamic"
-    weight_only = "weight_only"
-
-
-class CalibrationSource(str, Enum):
-    train = "train"
-    val = "val"
+PtqMode = _choices("PtqMode", MODES)
+CalibrationSource = _choices("CalibrationSource", SOURCES)
 
 
 class LoggerName(str, Enum):
@@ -57,11 +44,7 @@ class LoggerName(str, Enum):
     tensorboard = "tensorboard"
 
 
-class Stage(str, Enum):
-    train = "train"
-    validate = "validate"
-    test = "test"
-    predict = "predict"
+Stage = _choices("Stage", STAGES)
 
 
 @dataclass
@@ -124,19 +107,19 @@ class PtqConf:
 
 
 # the valid choices live with the code that acts on them; the schema's enums read the same tables
-OnBreach = Enum("OnBreach", {choice: choice for choice in ON_BREACH}, type=str)
-OnIncomplete = Enum("OnIncomplete", {choice: choice for choice in ON_INCOMPLETE}, type=str)
+OnBreach = _choices("OnBreach", ON_BREACH)
+OnIncomplete = _choices("OnIncomplete", ON_INCOMPLETE)
 
 
 @dataclass
 class FidelityConf:
-    """The fit-end gate: the int8 model as it runs against the fake-quant model that trained."""
+    """The fit-end gate: the int8 model as it runs against the fake-quant model that trained (PTQ: the float model)."""
 
-    enabled: bool = field(default=True, metadata={"help": "compare int8 with fake-quant outputs on held batches at fit end"})
-    min_sqnr_db: float = field(default=20.0, metadata={"help": "minimum SQNR of the int8 outputs against the fake-quant outputs (dB)"})
+    enabled: bool = field(default=True, metadata={"help": "compare int8 with fake-quant outputs (PTQ: float outputs) on held batches at fit end"})
+    min_sqnr_db: Optional[float] = field(default=None, metadata={"help": "minimum SQNR of the int8 outputs against the fake-quant outputs (dB); null: 20 (QAT), 10 (PTQ, against float)"})
     min_top1_agreement: float = field(default=0.98, metadata={"help": "minimum share of rows whose argmax agrees"})
-    on_breach: OnBreach = field(default=OnBreach.fail, metadata={"help": "fail (exit 1), warn (keep int8, say so), fallback (ship the fake-quant module)"})
-    batches: int = field(default=4, metadata={"help": "held batches compared (validation loader, else training batches)"})
+    on_breach: OnBreach = field(default=OnBreach.fail, metadata={"help": "fail (exit 1), warn (keep int8, say so), fallback (ship the fake-quant module; PTQ: the float module)"})
+    batches: int = field(default=4, metadata={"help": "held batches compared (validation loader, else training batches; PTQ: the first calibration batches)"})
 
 
 @dataclass
