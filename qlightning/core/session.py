@@ -299,7 +299,7 @@ class QuantSession:
         if limit is not None:
             raise ReferenceUnavailableError(f"{name}: no q/dq reference graph: {limit}")
         prepared = self.fake_quant_modules.get(name, self.observed_modules.get(name))
-        if prepared is None and self.engine.name == "fx":
+        if prepared is None and not self.engine.converts_to_qdq_graph:
             how = ("a PTQ run keeps it only for static quantization (mode='static')" if self.kind == "ptq" else
                    "construct QuantizationAwareTraining with keep_fake_quant=True (the default)")
             raise ConfigError(

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from qlightning.engines.base import BACKENDS, Inputs, QuantEngine, QuantSpec
 from qlightning.errors import ConfigError
 
-ENGINES = ("fx", "pt2e")
+#: Each engine and where its class lives (imported only when asked for): the one place an engine is added
+ENGINE_CLASSES = {
+    "fx": "qlightning.engines.fx.engine:FxEngine",
+    "pt2e": "qlightning.engines.pt2e.engine:Pt2eEngine",
+}
+ENGINES = tuple(ENGINE_CLASSES)
 #: ``engine_options.compile``: booleans are on / off
 COMPILE_MODES = ("auto", "on", "off")
 
@@ -71,15 +77,10 @@ def get_engine(name: str) -> QuantEngine:
     Importing an engine's module never fails at ``import qlightning`` time; an engine whose
     torch/torchao support is missing raises :class:`~qlightning.errors.EngineUnavailableError` here.
     """
-    if name == "fx":
-        from qlightning.engines.fx.engine import FxEngine
-
-        return FxEngine()
-    if name == "pt2e":
-        from qlightning.engines.pt2e.engine import Pt2eEngine
-
-        return Pt2eEngine()
-    raise ConfigError(f"engine={name!r}: unknown engine; valid choices: {list(ENGINES)}")
+    if name not in ENGINE_CLASSES:
+        raise ConfigError(f"engine={name!r}: unknown engine; valid choices: {list(ENGINES)}")
+    module, _, cls = ENGINE_CLASSES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)()
 
 
 def quantized_decomposed_ops() -> Any:

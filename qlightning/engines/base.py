@@ -52,6 +52,13 @@ class QuantEngine(ABC):
     name: ClassVar[str]
     #: whether :meth:`compile_training` has a compiled path to offer
     compiles_training: ClassVar[bool] = False
+    #: whether :meth:`convert` returns a float q/dq graph (PT2E) rather than quantized kernels (FX): a
+    #: q/dq graph is its own reference for exports and lowering, kernels need the prepared module kept
+    converts_to_qdq_graph: ClassVar[bool] = False
+
+    def converted_here(self, module: nn.Module) -> bool:
+        """Whether ``module`` is what this engine's :meth:`convert` makes (lowering asks, to pick the engine)."""
+        return False
 
     @abstractmethod
     def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:

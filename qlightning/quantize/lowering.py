@@ -47,7 +47,8 @@ from torch import nn
 
 from qlightning.core.inputs import Inputs, attach_source, first_tensor, source_of  # noqa: F401  source_of: re-exported
 from qlightning.core.metrics import median_ms, sqnr_db, top1_agreement
-from qlightning.engines import get_engine
+from qlightning.engines import ENGINES, QuantEngine, get_engine
+from qlightning.errors import EngineUnavailableError, QLightningError
 from qlightning.quantize.qdq import quiet_export, qdq_program, write_onnx
 
 CANDIDATES = ("fx", "onnxruntime", "inductor")
@@ -148,12 +149,21 @@ class LoweringContext:
         return self._qdq_program
 
 
-def _is_fx_lowered(int8: nn.Module) -> bool:
-    """Whether ``int8`` is an FX-converted module (quantized kernels) rather than a q/dq reference graph."""
-    for node in getattr(getattr(int8, "graph", None), "nodes", ()):
-        if node.op == "call_function" and node.target in (torch.quantize_per_tensor, torch.quantize_per_channel):
-            return True
-    return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in int8.modules())
+def engine_of(int8: nn.Module) -> QuantEngine:
+    """The engine whose ``convert`` made ``int8`` (FX's quantized kernels, PT2E's q/dq graph)."""
+    available = []
+    for name in ENGINES:
+        try:
+            available.append(get_engine(name))
+        except EngineUnavailableError:
+            continue
+        if available[-1].converted_here(int8):
+            return available[-1]
+    # a graph without quantized ops (everything left float) is its own q/dq graph
+    for engine in available:
+        if engine.converts_to_qdq_graph:
+            return engine
+    raise QLightningError(f"{type(int8).__name__}: not an int8 module any engine ({list(ENGINES)}) converted")
 
 
 def reference_qdq_module(fake_quant: nn.Module, int8: nn.Module) -> nn.Module:
@@ -163,8 +173,7 @@ def reference_qdq_module(fake_quant: nn.Module, int8: nn.Module) -> nn.Module:
         fake_quant: the prepared (fake-quant) module ``int8`` was converted from.
         int8: the engine's converted module: FX's lowered kernels, or PT2E's q/dq graph (already one).
     """
-    engine = get_engine("fx" if _is_fx_lowered(int8) else "pt2e")
-    return engine.reference_module(fake_quant, int8, None)
+    return engine_of(int8).reference_module(fake_quant, int8, None)
 
 
 def _build_fx(ctx: LoweringContext) -> nn.Module:
@@ -181,7 +190,7 @@ def _build_onnxruntime(ctx: LoweringContext) -> nn.Module:
 
 
 def _build_inductor(ctx: LoweringContext) -> nn.Module:
-    if _is_fx_lowered(ctx.int8):
+    if not engine_of(ctx.int8).converts_to_qdq_graph:
         with quiet_export():
             graph = ctx.qdq_program().program.module()
     else:

@@ -615,6 +615,11 @@ class Pt2eEngine(QuantEngine):
     """
 
     name = "pt2e"
+    converts_to_qdq_graph = True
+
+    def converted_here(self, module: nn.Module) -> bool:
+        return any(str(getattr(node, "target", "")).startswith("quantized_decomposed")
+                   for node in getattr(getattr(module, "graph", None), "nodes", ()))
 
     def __reduce__(self) -> tuple:
         # stateless apart from the torch modules it imports: pickle as "make a new one"
