@@ -6,6 +6,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from qlightning.cli.console import debugging, internal_error  # noqa: F401  (debugging: re-exported)
+
 USAGE = """usage: qlightning COMMAND [ARGS...]
 
 commands:
@@ -29,21 +31,6 @@ examples:
 
 
 COMMANDS = ("train", "recipes", "doctor", "export", "report")
-
-
-def debugging() -> bool:
-    """Whether an unexpected error should show its traceback (``--debug`` or ``HYDRA_FULL_ERROR=1``)."""
-    return os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("QLIGHTNING_DEBUG") == "1"
-
-
-def internal_error(exc: BaseException, prog: str = "qlightning") -> int:
-    """One line for an unexpected exception (no traceback unless debugging); exit status 1."""
-    if debugging():
-        raise exc
-    text = " ".join(str(exc).split())[:500]
-    print(f"{prog}: internal error: {type(exc).__name__}: {text}\n(rerun with --debug or HYDRA_FULL_ERROR=1 for the traceback, "
-          "and report it if the input was valid)", file=sys.stderr)
-    return 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

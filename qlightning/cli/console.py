@@ -5,6 +5,8 @@ filtered with the upstream issue named."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 
 # (message regex, category, where it comes from and why it is not ours to fix)
@@ -57,3 +59,18 @@ def route_logging() -> None:
     logging.getLogger("torch.__trace").propagate = False
     logging.captureWarnings(True)
     filter_upstream_noise()
+
+
+def debugging() -> bool:
+    """Whether an unexpected error should show its traceback (``--debug`` or ``HYDRA_FULL_ERROR=1``)."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or os.environ.get("QLIGHTNING_DEBUG") == "1"
+
+
+def internal_error(exc: BaseException, prog: str = "qlightning") -> int:
+    """One line for an unexpected exception (no traceback unless debugging); exit status 1."""
+    if debugging():
+        raise exc
+    text = " ".join(str(exc).split())[:500]
+    print(f"{prog}: internal error: {type(exc).__name__}: {text}\n(rerun with --debug or HYDRA_FULL_ERROR=1 for the traceback, "
+          "and report it if the input was valid)", file=sys.stderr)
+    return 1

@@ -55,7 +55,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     except Exception as exc:
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-        from qlightning.cli import debugging, internal_error
+        from qlightning.cli.console import debugging, internal_error
 
         if isinstance(exc, MisconfigurationException) and not debugging():  # Lightning refusing a Trainer setting
             print(f"qlightning: configuration error\n{' '.join(str(exc).split())}", file=sys.stderr)
