@@ -179,6 +179,22 @@ def test_cli_on_a_recipe_checks_the_configured_modules(capsys, tmp_path):
 
 
 
+def test_cli_on_a_recipe_dry_runs_convert_and_the_int8_forward(capsys, tmp_path):
+    """Issue 17: the doctor said "traces" (exit 0) for a mapping torch.ao refuses only when it prepares and converts."""
+    from test_validate_dry_run import CONV_W4A8
+
+    recipe = tmp_path / "conv_w4a8.yaml"
+    recipe.write_text(CONV_W4A8)
+    assert cli_main(["doctor", f"recipe={recipe}"]) == 1
+    out = capsys.readouterr().out
+    assert "configured quant.modules target 'net': traces" in out
+    assert "config problem: quant.qconfig_mapping.object_type" in out and "same qconfig" in out, out
+    assert cli_main(["doctor", f"recipe={recipe}", "--no-dry-run"]) == 0  # tracing alone sees nothing
+    capsys.readouterr()
+    assert cli_main(["doctor", "recipe=digits_fast"]) == 0
+    assert "dry run (prepare -> forward -> convert -> int8 forward on one batch): ok" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("recipe", ["lstm_static", "lstm_dynamic"])
 def test_cli_on_the_shipped_lstm_recipes(capsys, recipe):
     assert cli_main(["doctor", f"recipe={recipe}"]) == 0
