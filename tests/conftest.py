@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+import subprocess
+import sys
 import warnings
 
 import lightning.pytorch as pl
@@ -56,3 +60,18 @@ def trained_qat():
     trainer = make_trainer([qat])
     trainer.fit(model, datamodule=dm)
     return trainer, model, dm, qat
+
+
+@pytest.fixture(scope="session")
+def digits_fast_run(tmp_path_factory):
+    """One `qlightning train recipe=digits_fast` run (default export formats, csv and tensorboard loggers):
+    its folder, for the tests of test_cli.py and test_export.py that only read its files."""
+    tmp = tmp_path_factory.mktemp("digits_fast")
+    loggers = "loggers=[csv,tensorboard]" if importlib.util.find_spec("tensorboard") else "loggers=[csv]"
+    out = subprocess.run(
+        [sys.executable, "-m", "qlightning.cli", "train", "recipe=digits_fast", f"hydra.run.dir={tmp}/run",
+         "trainer.enable_progress_bar=false", "report.latency_repeats=5", loggers],
+        cwd=tmp, capture_output=True, text=True, timeout=600, env={**os.environ, "HYDRA_FULL_ERROR": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return tmp / "run"

@@ -27,15 +27,9 @@ def qlightning(*args: str, cwd: Path, timeout: int = 600) -> subprocess.Complete
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """One 4-epoch `qlightning train recipe=digits_fast` run with the default export formats."""
-    tmp = tmp_path_factory.mktemp("export")
-    out = qlightning(
-        "train", "recipe=digits_fast", f"hydra.run.dir={tmp}/run", "trainer.enable_progress_bar=false",
-        "report.latency_repeats=5", cwd=tmp,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    return tmp / "run"
+def run_dir(digits_fast_run) -> Path:
+    """The shared 4-epoch `qlightning train recipe=digits_fast` run with the default export formats (conftest)."""
+    return digits_fast_run
 
 
 @pytest.fixture(scope="module")
