@@ -6,6 +6,9 @@ from typing import Any, Optional
 
 import torch
 
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from qlightning.core.fidelity import ModuleFidelity, breach_message
 from qlightning.core.session import QuantSession
 from qlightning.engines import BACKENDS, ENGINES, QuantEngine, get_engine
 
@@ -46,6 +49,21 @@ class SessionCallback:
     session: QuantSession
     _engine_arg: Any
     _engine: Optional[QuantEngine]
+
+    def _record_comparison(self, result: ModuleFidelity, breaches: list[ModuleFidelity], breached: bool) -> None:
+        """One module's gate result: kept in ``fidelity_results``, logged, collected when it breached."""
+        if breached:
+            breaches.append(result)
+        self.fidelity_results[result.module] = result.to_dict()
+        rank_zero_info(f"[qlightning] fidelity {result.describe()}")
+
+    def _conclude_gate(self, breaches: list[ModuleFidelity], reference: str, fallback: str) -> None:
+        """After every module was compared: raise (on_breach='fail'), or warn loudly and record the notice."""
+        if not breaches:
+            return
+        message = breach_message(type(self).__name__, reference, breaches, self.fidelity, fallback=fallback)
+        self.notices.append(message)
+        rank_zero_warn(f"[qlightning] {message}")
 
     @property
     def engine(self) -> QuantEngine:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -22,7 +22,7 @@ from qlightning.callbacks.base import SessionCallback, check_common_arguments
 from qlightning.callbacks.calibration_data import _STEP, calibration_batches, collect_inputs
 from qlightning.callbacks.distributed import broadcast_buffers
 from qlightning.callbacks.qat import QuantizationAwareTraining
-from qlightning.core.fidelity import PTQ_FIDELITY, FidelityConfig, breach_message, compare_modules
+from qlightning.core.fidelity import PTQ_FIDELITY, FidelityConfig, apply_on_breach, compare_modules
 from qlightning.core.inputs import Inputs, RandomStates, as_inputs, capture_inputs, evaluating, example_inputs_for, resolve_targets
 from qlightning.core.session import QuantSession, set_submodule
 from qlightning.engines import BACKENDS, ENGINES, QuantEngine, QuantSpec, get_engine
@@ -30,7 +30,7 @@ from qlightning.engines.fx.qconfigs import dynamic_qconfig_mapping, quantize_dyn
 from qlightning.quantize.equalization import equalized_layers
 from qlightning.quantize.calibration import calibrate, calibrate_and_convert, detach_shallow, float_module_from, run_to_targets, spec_for_ptq
 from qlightning.quantize.ptq import apply_cle, equalization_mapping, ptq_baseline
-from qlightning.errors import ConfigError, EngineUnavailableError, FidelityError, QLightningError, TraceError
+from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError, TraceError
 
 MODES = ("static", "dynamic", "weight_only")
 SOURCES = ("train", "val")
@@ -411,23 +411,9 @@ class PostTrainingQuantization(SessionCallback, Callback):
             inputs = "the example inputs" if self.mode != "static" else f"{len(held[name])} {self.calibrate_on} calibration batches"
             result = compare_modules(name, references[name], pl_module.get_submodule(name), held[name],
                                      self.fidelity.min_sqnr_db, self.fidelity.min_top1_agreement, inputs, against="float")
-            if not result.passed:
-                breaches.append(result)
-                if self.fidelity.on_breach == "fallback":
-                    set_submodule(pl_module, name, copy.deepcopy(references[name]))
-                    result.action = "fell back to the float module"
-                elif self.fidelity.on_breach == "warn":
-                    result.action = "kept int8 (on_breach=warn)"
-            self.fidelity_results[name] = result.to_dict()
-            rank_zero_info(f"[qlightning] fidelity {result.describe()}")
-        if not breaches:
-            return
-        message = breach_message("PostTrainingQuantization", "the float model it was calibrated from", breaches,
-                                 self.fidelity, fallback="keeps the float module")
-        if self.fidelity.on_breach == "fail":
-            raise FidelityError(message)
-        self.notices.append(message)
-        rank_zero_warn(f"[qlightning] {message}")
+            fall_back = lambda: set_submodule(pl_module, name, copy.deepcopy(references[name]))  # noqa: E731
+            self._record_comparison(result, breaches, apply_on_breach(result, self.fidelity, fall_back, "float"))
+        self._conclude_gate(breaches, "the float model it was calibrated from", fallback="keeps the float module")
 
     def _example_inputs(self, pl_module: "pl.LightningModule", step: Callable[..., Any], first: Any) -> dict[str, Inputs]:
         found = dict(self.example_inputs)

@@ -31,11 +31,11 @@ from qlightning.callbacks.distributed import (
 )
 from qlightning.core.inputs import RandomStates, as_inputs, attach_source, resolve_targets
 from qlightning.core.compile_choice import CompileDecider, phases_left
-from qlightning.core.fidelity import FidelityConfig, ModuleFidelity, breach_message, compare_modules
+from qlightning.core.fidelity import FidelityConfig, ModuleFidelity, apply_on_breach, compare_modules
 from qlightning.core.schedule import AUTO, AutoSchedule, Milestone, MilestoneLike, Phase, Schedule, unreachable
 from qlightning.core.session import QuantSession, has_submodule, set_submodule
 from qlightning.engines import QuantEngine, QuantSpec, check_engine_options, compile_mode
-from qlightning.errors import ConfigError, EngineUnavailableError, FidelityError, IncompleteScheduleError, QLightningError
+from qlightning.errors import ConfigError, EngineUnavailableError, IncompleteScheduleError, QLightningError
 from qlightning.quantize.lowering import CANDIDATES
 
 STAGES = ("train", "validate", "test", "predict")
@@ -734,24 +734,10 @@ class QuantizationAwareTraining(SessionCallback, Callback):
                 name, fake_quant, pl_module.get_submodule(name), self._held_batches.get(name) or [self.inputs[name]],
                 self.fidelity.min_sqnr_db, self.fidelity.min_top1_agreement, self._held_source or "example inputs",
             )
-            if not result.passed:
-                breaches.append(result)
-                if self.fidelity.on_breach == "fallback":
-                    set_submodule(pl_module, name, copy.deepcopy(fake_quant))
-                    result.action = "fell back to the fake-quant module"
-                elif self.fidelity.on_breach == "warn":
-                    result.action = "kept int8 (on_breach=warn)"
-            self.fidelity_results[name] = result.to_dict()
-            rank_zero_info(f"[qlightning] fidelity {result.describe()}")
+            fall_back = lambda: set_submodule(pl_module, name, copy.deepcopy(fake_quant))  # noqa: E731
+            self._record_comparison(result, breaches, apply_on_breach(result, self.fidelity, fall_back, "fake-quant"))
         self._held_batches = {}
-        if not breaches:
-            return
-        message = breach_message("QuantizationAwareTraining", "the fake-quant model that trained", breaches,
-                                 self.fidelity, fallback="keeps the fake-quant module")
-        if self.fidelity.on_breach == "fail":
-            raise FidelityError(message)
-        self.notices.append(message)
-        rank_zero_warn(f"[qlightning] {message}")
+        self._conclude_gate(breaches, "the fake-quant model that trained", fallback="keeps the fake-quant module")
 
     def convert(self, pl_module: "pl.LightningModule") -> None:
         """Convert every prepared submodule to int8 for the backend, in place."""

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from qlightning.core.inputs import Inputs, flat_tensors, source_of
 from qlightning.core.metrics import MAX_SQNR_DB, ratio_db, summed_sqnr_db, top1_agreement
+from qlightning.errors import FidelityError
 
 ON_BREACH = ("fail", "warn", "fallback")
 
@@ -317,10 +318,23 @@ def compare_modules(
     return result
 
 
+def apply_on_breach(result: ModuleFidelity, config: FidelityConfig, fall_back: Callable[[], None], reference: str) -> bool:
+    """``config.on_breach`` for one compared module: ``fall_back()`` puts ``reference`` back; True if it breached."""
+    if result.passed:
+        return False
+    if config.on_breach == "fallback":
+        fall_back()
+        result.action = f"fell back to the {reference} module"
+    elif config.on_breach == "warn":
+        result.action = "kept int8 (on_breach=warn)"
+    return True
+
+
 def breach_message(who: str, reference: str, breaches: Sequence[ModuleFidelity], config: FidelityConfig,
                    fallback: str) -> str:
     """The one message of a failed gate: every breach, a mapping entry that keeps the first departing
-    layer float, and (``on_breach="fail"``) the options that keep going.
+    layer float; with ``on_breach="fail"`` raised as :class:`~qlightning.errors.FidelityError` naming the
+    options that keep going, else returned for the caller to warn with.
 
     Args:
         who: the callback, e.g. ``"QuantizationAwareTraining"``.
@@ -343,6 +357,7 @@ def breach_message(who: str, reference: str, breaches: Sequence[ModuleFidelity],
     if config.on_breach == "fail":
         message += (f"\n  (fidelity on_breach='warn' keeps the int8 model, 'fallback' {fallback}; "
                     "thresholds: fidelity min_sqnr_db / min_top1_agreement)")
+        raise FidelityError(message)
     return message
 
 
