@@ -39,8 +39,9 @@ COVERED = {
     "qlightning train": ("tests/test_cli.py", "test_default_job_trains_converts_and_reports", '"train", f"hydra.run.dir'),
     "qlightning train recipe=digits_fast": ("tests/test_recipes_e2e.py", "test_shipped_recipe_runs_end_to_end", 'f"recipe={name}"'),
     "HF_HUB_OFFLINE=1 qlightning train recipe=minilm_pt2e": ("tests/test_recipes_e2e.py", "test_shipped_recipe_runs_end_to_end", 'f"recipe={name}"'),
+    # the shared run that test_cli.py::test_tensorboard_logger_gets_phase_scales_and_report reads
     "qlightning train recipe=digits_fast loggers=[csv,tensorboard]": (
-        "tests/test_cli.py", "test_tensorboard_logger_gets_phase_scales_and_report", '"recipe=digits_fast", "loggers=[csv,tensorboard]"'),
+        "tests/conftest.py", "digits_fast_run", '"loggers=[csv,tensorboard]"'),
 }
 SHORT = (" trainer.limit_train_batches=5 trainer.limit_val_batches=2 trainer.limit_test_batches=2"
          " trainer.log_every_n_steps=1 trainer.enable_progress_bar=false")  # log_every_n_steps: else Lightning warns about 5 batches

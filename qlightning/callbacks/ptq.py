@@ -93,9 +93,12 @@ class PostTrainingQuantization(SessionCallback, Callback):
         fidelity: the gate after converting: the int8 model as it runs against the float submodule
             it was calibrated from, on the first ``batches`` calibration batches (dynamic modes: the
             example inputs): output SQNR and top-1 agreement. ``True`` (default: 10 dB, since the
-            quantization noise itself is measured; top-1 agreement 0.98; ``on_breach="fail"``), ``False``, or a mapping / :class:`~qlightning.core.fidelity.FidelityConfig`;
+            quantization noise itself is measured; top-1 agreement 0.98; ``on_breach="fail"``),
+            ``False``, or a mapping / :class:`~qlightning.core.fidelity.FidelityConfig`;
             ``on_breach="fallback"`` keeps the float submodule. A crashing int8 forward is a breach
-            naming the op. Results are in :attr:`fidelity_results`.
+            naming the op. Results are in :attr:`fidelity_results`. Each process compares on its own
+            calibration batches (all convert rank 0's calibration), so with several processes a
+            ``"fallback"`` could differ between them: use ``"warn"`` or ``"fail"`` there.
 
     Example::
 
