@@ -53,22 +53,6 @@ def test_the_defaults_keep_float_accuracy_on_the_net_that_collapsed():
     assert qat.fidelity_results["net"]["passed"]
 
 
-@pytest.mark.parametrize("engine", ["fx", "pt2e"])
-def test_the_defaults_keep_float_accuracy_on_a_short_run(engine):
-    """Found after stop 19: 3 epochs with the defaults gave float 97.4 %, int8 8.9 % on this net (FX; the
-    fidelity gate passed, as int8 equalled fake-quant). The default QAT weight range was a moving average
-    (torch.ao's and torchao's ``averaging_constant=0.01``) that trailed the weights through the float
-    warm-up, so fake-quant clipped them from its first step on; the range now tracks the current weights."""
-    fp32 = float_accuracy(ResidualDigits, 3)
-    pl.seed_everything(0)
-    model, dm = ResidualDigits(), DigitsDataModule(seed=0)
-    qat = QuantizationAwareTraining(modules=["net"], engine=engine)  # the defaults otherwise
-    make_trainer([qat], max_epochs=3).fit(model, datamodule=dm)
-    assert qat.schedule.fake_quant_start.step > 0 and qat.schedule.observer_freeze is not None
-    int8 = test_accuracy(model.net, dm)
-    assert int8 >= fp32 - 0.03, (fp32, int8)
-
-
 def test_the_default_schedule_is_derived_from_the_length_of_the_run():
     pl.seed_everything(0)
     model, dm = DigitsClassifier(), DigitsDataModule(seed=0)

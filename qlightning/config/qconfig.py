@@ -115,10 +115,7 @@ class QConfigBuilder:
         self.trusted = list(trusted)
         from torch.ao import quantization as tq
 
-        from qlightning.engines.fx.ao import default_qat_qconfig_mapping, tracking_current_weights
-
         self.tq = tq
-        self.default_qat_qconfig_mapping, self.tracking_current_weights = default_qat_qconfig_mapping, tracking_current_weights
 
     # ---------------------------------------------------------------- one observer / fake-quant
     def observer(self, spec: Any, key: str, errors: list[str]) -> Any:
@@ -206,9 +203,7 @@ class QConfigBuilder:
             return None
         if isinstance(spec, str):
             if spec == "default":
-                if self.is_qat:
-                    return self.tracking_current_weights(self.tq.get_default_qat_qconfig(self.backend))
-                return self.tq.get_default_qconfig(self.backend)
+                return (self.tq.get_default_qat_qconfig if self.is_qat else self.tq.get_default_qconfig)(self.backend)
             native = {
                 "float16_static": "float16_static_qconfig",
                 "float16_dynamic": "float16_dynamic_qconfig",
@@ -297,7 +292,7 @@ class QConfigBuilder:
             errors.append(f"{key}: unknown key(s) {unknown}; valid: {list(MAPPING_KEYS)}")
         if spec.get("global", "default") == "default":
             # start from the backend's own default mapping (fixed-qparams ops such as sigmoid included)
-            mapping = (self.default_qat_qconfig_mapping if self.is_qat else self.tq.get_default_qconfig_mapping)(self.backend)
+            mapping = (self.tq.get_default_qat_qconfig_mapping if self.is_qat else self.tq.get_default_qconfig_mapping)(self.backend)
         else:
             mapping.set_global(self.qconfig(spec.get("global"), f"{key}.global", errors))
         for i, item in enumerate(spec.get("object_type") or []):

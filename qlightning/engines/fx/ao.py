@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 from types import SimpleNamespace
 from typing import Any
 
@@ -70,40 +68,6 @@ def default_weight_observer() -> Any:
     with quiet_torch_ao():
         from torch.ao.quantization import default_weight_observer as observer
     return observer
-
-
-def tracking_current_weights(qconfig: Any) -> Any:
-    """``qconfig`` with its weight observer's range set from the current weights at each step.
-
-    torch.ao's default QAT weight fake-quant averages the weight range over steps
-    (``averaging_constant=0.01``). Weights are known exactly at every step, so the average only
-    lags: while the float warm-up moves the weights (and a fused conv-BN's folded weights move as
-    BatchNorm's running variance settles), the range trails them and the first fake-quant steps
-    clip the weights. Measured on digits, 3 epochs, fake-quant from half the run: the residual
-    depthwise net fell to 8.9 % (float 97.4 %) with the lagging range and reached 95.2 % with
-    the current one (``notes/defaults.md``). A weight observer without a moving average, or
-    ``None``, is returned as it is.
-    """
-    weight = getattr(qconfig, "weight", None)
-    partial = getattr(weight, "p", None)
-    observer = getattr(partial, "keywords", {}).get("observer")
-    if partial is None or observer is None or "averaging_constant" not in inspect.signature(observer).parameters:
-        return qconfig
-    tracked = type(weight)(functools.partial(partial.func, *partial.args, **{**partial.keywords, "averaging_constant": 1.0}))
-    tracked.callable_args = dict(getattr(weight, "callable_args", {}))
-    return type(qconfig)(activation=qconfig.activation, weight=tracked)
-
-
-def default_qat_qconfig_mapping(backend: str) -> Any:
-    """torch.ao's default QAT ``QConfigMapping`` of ``backend``, its weight ranges tracking the current weights."""
-    with quiet_torch_ao():
-        mapping = load_torch_ao().get_default_qat_qconfig_mapping(backend)
-    mapping.global_qconfig = tracking_current_weights(mapping.global_qconfig)
-    for table in (mapping.object_type_qconfigs, mapping.module_name_regex_qconfigs, mapping.module_name_qconfigs,
-                  mapping.module_name_object_type_order_qconfigs):
-        for key, qconfig in table.items():
-            table[key] = tracking_current_weights(qconfig)
-    return mapping
 
 
 def default_ptq_qconfig_mapping(backend: str) -> Any:

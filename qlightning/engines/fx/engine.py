@@ -16,7 +16,7 @@ from torch import nn
 from qlightning.core.inputs import Inputs, capture_inputs, positional_args
 from qlightning.core.schedule import Phase
 from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, quantized_engine, settle_fake_quant_state, trained_qparams
-from qlightning.engines.fx.ao import backend_config_for, default_qat_qconfig_mapping, load_torch_ao, quiet_torch_ao
+from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao
 from qlightning.engines.fx.prepare import faster_prepare
 from qlightning.engines.fx.fast_fq import restore_fake_quant, swap_fake_quant
 from qlightning.engines.fx.qconfigs import clamp_quantized_weights
@@ -281,9 +281,9 @@ class FxEngine(QuantEngine):
         return check_against_model(modules, spec.options.get("plain", {}))
 
     def default_qconfig_mapping(self, spec: QuantSpec) -> Any:
-        if spec.is_qat:
-            return default_qat_qconfig_mapping(spec.backend)
         with quiet_torch_ao():
+            if spec.is_qat:
+                return self.ao.get_default_qat_qconfig_mapping(spec.backend)
             return self.ao.get_default_qconfig_mapping(spec.backend)
 
     def backend_config(self, spec: QuantSpec) -> Any:

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import functools
 import inspect
 import itertools
 import logging
@@ -110,10 +108,6 @@ def load_torchao() -> SimpleNamespace:
         observer_types += (AoObserverBase,)
     except ImportError:  # pragma: no cover - torch without torch.ao.quantization
         pass
-    def x86_config(is_qat: bool = False, **kwargs: Any) -> Any:
-        config = get_default_x86_inductor_quantization_config(is_qat=is_qat, **kwargs)
-        return _tracking_current_weights(config) if is_qat else config
-
     return SimpleNamespace(
         quantize_pt2e_module=quantize_pt2e_module,
         convert_pt2e=convert_pt2e,
@@ -121,28 +115,10 @@ def load_torchao() -> SimpleNamespace:
         prepare_qat_pt2e=prepare_qat_pt2e,
         Quantizer=Quantizer,
         X86InductorQuantizer=X86InductorQuantizer,
-        x86_config=x86_config,
+        get_default_x86_inductor_quantization_config=get_default_x86_inductor_quantization_config,
         fake_quant_types=fake_quant_types,
         observer_types=observer_types,
     )
-
-
-def _tracking_current_weights(config: Any) -> Any:
-    """A QAT ``QuantizationConfig`` whose weight range is the current weights' at each step.
-
-    The default's ``MovingAveragePerChannelMinMaxObserver`` averages the weight range over steps
-    (``averaging_constant=0.01``), so it trails the weights through the float warm-up and clips them
-    when fake-quant starts; see ``qlightning.engines.fx.ao.tracking_current_weights``, which the FX
-    engine's defaults get for the same reason.
-    """
-    spec = config.weight
-    ctr = getattr(spec, "observer_or_fake_quant_ctr", None)
-    partial = getattr(ctr, "p", None)
-    if partial is None or "observer" not in partial.keywords:
-        return config
-    tracked = type(ctr)(functools.partial(partial.func, *partial.args, **{**partial.keywords, "averaging_constant": 1.0}))
-    tracked.callable_args = dict(getattr(ctr, "callable_args", {}))
-    return dataclasses.replace(config, weight=dataclasses.replace(spec, observer_or_fake_quant_ctr=tracked))
 
 
 # --------------------------------------------------------------------------- train / eval of graphs
@@ -673,7 +649,7 @@ class Pt2eEngine(QuantEngine):
                 return None
             variants = {"default": {}, "dynamic": {"is_dynamic": True}, "reduce_range": {"reduce_range": True}}
             if isinstance(value, str) and value in variants:
-                return self.ao.x86_config(is_qat=is_qat, **variants[value])
+                return self.ao.get_default_x86_inductor_quantization_config(is_qat=is_qat, **variants[value])
             errors.append(
                 f"{key}={value!r}: the pt2e engine (X86InductorQuantizer) takes {sorted(variants)} or null; "
                 "qconfig presets and observer specs need engine='fx'"
@@ -716,7 +692,7 @@ class Pt2eEngine(QuantEngine):
             quantizer = spec.qconfig_mapping
         else:
             quantizer = self.ao.X86InductorQuantizer()
-            quantizer.set_global(self.ao.x86_config(is_qat=spec.is_qat))
+            quantizer.set_global(self.ao.get_default_x86_inductor_quantization_config(is_qat=spec.is_qat))
         if spec.options.get("quantize_embeddings", False):
             # weight-only uint8 rows (per-row float scale and offset) for aten.embedding, which
             # X86InductorQuantizer leaves float; a language model's embedding tables are often half its size
