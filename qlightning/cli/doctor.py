@@ -77,11 +77,11 @@ def main(argv: Sequence[str]) -> int:
     try:
         if recipe is not None:
             from qlightning.config.compose import compose_config
-            from qlightning.config.validate import validate_config
+            from qlightning.config.validate import runs_dry, validate_config
 
             cfg = compose_config(args.overrides, recipe=recipe)
             problems, callback, model = validate_config(cfg, dry_run=args.dry_run)
-            dry_ran = args.dry_run or (args.dry_run is None and str(getattr(cfg.quant.engine, "value", cfg.quant.engine)) == "fx")
+            dry_ran = runs_dry(cfg, args.dry_run)
             if model is None:
                 raise ConfigError(problems or ["model: could not be built"])
             label = f"recipe {recipe} (model {cfg.model.get('_target_')})"

@@ -106,6 +106,12 @@ def export_format_problems(cfg: DictConfig, callback: Any) -> list[str]:
     ]
 
 
+def runs_dry(cfg: DictConfig, dry_run: Optional[bool]) -> bool:
+    """Whether :func:`validate_config` dry-runs: ``dry_run``, or for ``None`` where it costs seconds (fx)."""
+    engine = cfg.quant.get("engine")
+    return bool(dry_run) or (dry_run is None and str(getattr(engine, "value", engine)) == "fx")
+
+
 def validate_config(cfg: DictConfig, dry_run: Optional[bool] = True) -> tuple[list[str], Any, Any]:
     """Returns ``(problems, callback or None, model or None)``.
 
@@ -151,8 +157,7 @@ def validate_config(cfg: DictConfig, dry_run: Optional[bool] = True) -> tuple[li
             problems.extend(check_against_model({t: model.get_submodule(t) for t in targets}, cfg.quant))
         except ConfigError as exc:
             problems.extend(exc.problems)
-    engine = str(getattr(cfg.quant.get("engine"), "value", cfg.quant.get("engine"))) if model is not None else None
-    if model is not None and callback is not None and not problems and (dry_run or (dry_run is None and engine == "fx")):
+    if model is not None and callback is not None and not problems and runs_dry(cfg, dry_run):
         problems.extend(dry_run_problems(cfg, callback, model, first_batch(cfg)))
     if cfg.get("ckpt_path") is not None and not problems:
         problems.extend(check_checkpoint(cfg, model, lambda: build_callback(cfg)))

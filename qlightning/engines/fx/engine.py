@@ -225,13 +225,13 @@ class FxEngine(QuantEngine):
     """
 
     name = "fx"
+    compiles_training = True
 
     def converted_here(self, module: nn.Module) -> bool:
         for node in getattr(getattr(module, "graph", None), "nodes", ()):
             if node.op == "call_function" and node.target in (torch.quantize_per_tensor, torch.quantize_per_channel):
                 return True
         return any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in module.modules())
-    compiles_training = True
 
     def __reduce__(self) -> tuple:
         # stateless apart from the torch modules it imports: pickle as "make a new one"
