@@ -41,11 +41,15 @@ def fake_quants(net: nn.Module) -> dict[str, nn.Module]:
 # ------------------------------------------------------------------ each key has its effect
 
 
-def test_default_mapping_is_the_backends_per_channel_qat_default():
+def test_default_mapping_is_the_backends_per_channel_qat_default_with_current_weight_ranges():
+    from torch.ao.quantization import FusedMovingAvgObsFakeQuantize
+
     _, net = prepared_net()
     fq = fake_quants(net)
-    assert type(fq["features.0.0.weight_fake_quant"]).__name__ == "FusedMovingAvgObsFakeQuantize"
-    assert fq["features.0.0.weight_fake_quant"].qscheme == torch.per_channel_symmetric
+    weight = fq["features.0.0.weight_fake_quant"]
+    assert isinstance(weight, FusedMovingAvgObsFakeQuantize) and type(weight).__name__ == "ZeroCenteredFusedFakeQuantize"
+    assert weight.qscheme == torch.per_channel_symmetric
+    assert weight.activation_post_process.averaging_constant == 1.0  # the current weights' range (notes/defaults.md)
     assert fq["activation_post_process_0"].activation_post_process.reduce_range  # x86 default
 
 
@@ -216,11 +220,13 @@ def test_float_to_observed_and_observed_to_quantized_custom_modules():
 
 
 def test_python_dicts_and_native_objects_give_the_same_prepared_graph():
-    from torch.ao.quantization import QConfigMapping, get_default_qat_qconfig
+    from torch.ao.quantization import QConfigMapping
     from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
 
+    from qlightning.engines.fx.weights import default_qat_qconfig  # "default": x86's, weights on their current range
+
     native = QuantizationAwareTraining(
-        qconfig_mapping=QConfigMapping().set_global(get_default_qat_qconfig("x86")).set_module_name("classifier", None),
+        qconfig_mapping=QConfigMapping().set_global(default_qat_qconfig("x86")).set_module_name("classifier", None),
         prepare_custom_config=PrepareCustomConfig().set_non_traceable_module_names(["features.2"]),
     )
     data = QuantizationAwareTraining(

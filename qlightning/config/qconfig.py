@@ -115,7 +115,10 @@ class QConfigBuilder:
         self.trusted = list(trusted)
         from torch.ao import quantization as tq
 
+        from qlightning.engines.fx.weights import default_qat_qconfig, default_qat_qconfig_mapping
+
         self.tq = tq
+        self.default_qat_qconfig, self.default_qat_qconfig_mapping = default_qat_qconfig, default_qat_qconfig_mapping
 
     # ---------------------------------------------------------------- one observer / fake-quant
     def observer(self, spec: Any, key: str, errors: list[str]) -> Any:
@@ -203,7 +206,7 @@ class QConfigBuilder:
             return None
         if isinstance(spec, str):
             if spec == "default":
-                return (self.tq.get_default_qat_qconfig if self.is_qat else self.tq.get_default_qconfig)(self.backend)
+                return (self.default_qat_qconfig if self.is_qat else self.tq.get_default_qconfig)(self.backend)
             native = {
                 "float16_static": "float16_static_qconfig",
                 "float16_dynamic": "float16_dynamic_qconfig",
@@ -292,7 +295,7 @@ class QConfigBuilder:
             errors.append(f"{key}: unknown key(s) {unknown}; valid: {list(MAPPING_KEYS)}")
         if spec.get("global", "default") == "default":
             # start from the backend's own default mapping (fixed-qparams ops such as sigmoid included)
-            mapping = (self.tq.get_default_qat_qconfig_mapping if self.is_qat else self.tq.get_default_qconfig_mapping)(self.backend)
+            mapping = (self.default_qat_qconfig_mapping if self.is_qat else self.tq.get_default_qconfig_mapping)(self.backend)
         else:
             mapping.set_global(self.qconfig(spec.get("global"), f"{key}.global", errors))
         for i, item in enumerate(spec.get("object_type") or []):

@@ -33,6 +33,7 @@ def load_torch_ao() -> SimpleNamespace:
                 FakeQuantizeBase,
                 ObserverBase,
                 QConfigMapping,
+                get_default_qat_qconfig,
                 get_default_qat_qconfig_mapping,
                 get_default_qconfig_mapping,
             )

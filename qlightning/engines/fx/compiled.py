@@ -33,7 +33,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from qlightning.engines.base import straddle_zero_
 from qlightning.engines.fx.ao import quiet_torch_ao
+from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 
 with quiet_torch_ao():
     from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
@@ -117,6 +119,8 @@ def traceable_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> t
             c = obs.averaging_constant
             min_val.copy_(torch.where(torch.isinf(min_val), current_min, min_val + c * (current_min - min_val)))
             max_val.copy_(torch.where(torch.isinf(max_val), current_max, max_val + c * (current_max - max_val)))
+            if getattr(self, "straddles_zero", False) and self.is_symmetric_quant:  # ZeroCenteredWeightRange
+                straddle_zero_(obs)
     if not fake_quant:
         return X
     if observe:
@@ -169,7 +173,7 @@ def _size_per_channel(m: FusedMovingAvgObsFakeQuantize, channels: int) -> None:
 
 def _eligible(m: nn.Module) -> bool:
     """torch.ao's fused moving-average fake-quant (every default and preset QAT qconfig) with min/max observers."""
-    return type(m) is FusedMovingAvgObsFakeQuantize
+    return type(m) in (FusedMovingAvgObsFakeQuantize, ZeroCenteredFusedFakeQuantize)
 
 
 def traceable_fake_quants(module: nn.Module) -> Iterator[FusedMovingAvgObsFakeQuantize]:

@@ -15,9 +15,10 @@ from torch import nn
 
 from qlightning.core.inputs import Inputs, capture_inputs, positional_args
 from qlightning.core.schedule import Phase
-from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, quantized_engine, settle_fake_quant_state, trained_qparams
+from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, is_fused_fake_quant, check_batch_norm_gammas, quantized_engine, settle_fake_quant_state, trained_qparams
 from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao
 from qlightning.engines.fx.prepare import faster_prepare
+from qlightning.engines.fx.weights import default_qat_qconfig_mapping
 from qlightning.engines.fx.fast_fq import restore_fake_quant, swap_fake_quant
 from qlightning.engines.fx.qconfigs import clamp_quantized_weights
 from qlightning.engines.fx.reference import CLAMP_META, reference_module
@@ -56,7 +57,7 @@ def narrow_activation_ranges(module: nn.Module) -> dict[tuple[float, int], tuple
             pass
         if isinstance(m, FakeQuantizeBase) and hasattr(m, "scale"):
             keys.append((m.scale, m.zero_point))
-            if type(m).__name__ == "FusedMovingAvgObsFakeQuantize":
+            if is_fused_fake_quant(m):
                 keys.append(_fused_op_qparams(m))  # what convert quantizes with under trained_qparams
         for scale, zero_point in keys:
             if isinstance(scale, torch.Tensor) and scale.numel() == 1 and isinstance(zero_point, torch.Tensor):
@@ -281,9 +282,9 @@ class FxEngine(QuantEngine):
         return check_against_model(modules, spec.options.get("plain", {}))
 
     def default_qconfig_mapping(self, spec: QuantSpec) -> Any:
+        if spec.is_qat:
+            return default_qat_qconfig_mapping(spec.backend)  # weights: current range, centred on zero
         with quiet_torch_ao():
-            if spec.is_qat:
-                return self.ao.get_default_qat_qconfig_mapping(spec.backend)
             return self.ao.get_default_qconfig_mapping(spec.backend)
 
     def backend_config(self, spec: QuantSpec) -> Any:

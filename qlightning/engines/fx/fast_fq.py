@@ -39,7 +39,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from qlightning.engines.base import straddle_zero_
 from qlightning.engines.fx.ao import quiet_torch_ao
+from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 
 with quiet_torch_ao():
     from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
@@ -190,12 +192,12 @@ def fast_fake_quant_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor
     if X.numel() < MIN_ELEMENTS or X.device.type != "cpu" or X.dtype != torch.float32:
         # small tensors: the fused op's single dispatch beats several vectorized ones
         self.__dict__.pop("_qlightning_cache", None)  # the op writes scale / zp without a version bump
-        return FusedMovingAvgObsFakeQuantize.forward(self, torch.relu(X) if relu else X)
+        return type(self).forward(self, torch.relu(X) if relu else X)
     qparams = _observe_then_qparams(self, X, relu)
     if qparams is FAKE_QUANT_OFF:
         return torch.relu(X) if relu else X  # the fused op returns a copy whose gradient is grad * ones
     if qparams is UNOBSERVED:
-        return FusedMovingAvgObsFakeQuantize.forward(self, torch.relu(X) if relu else X)
+        return type(self).forward(self, torch.relu(X) if relu else X)
     return (_ReluFakeQuant if relu else _FakeQuant).apply(X, *qparams)
 
 
@@ -209,6 +211,8 @@ def _observe_then_qparams(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor, 
     if buffers["observer_enabled"].item() == 1:
         with torch.no_grad():
             _observe(self, torch.relu(X.detach()) if relu else X.detach())
+            if getattr(self, "straddles_zero", False) and self.is_symmetric_quant:
+                straddle_zero_(self._modules["activation_post_process"])  # as ZeroCenteredWeightRange.forward
         self.__dict__.pop("_qlightning_cache", None)  # the op writes min/max in place without a version bump
     if buffers["fake_quant_enabled"].item() != 1:
         return FAKE_QUANT_OFF
@@ -371,7 +375,7 @@ _CONV_BN_RELU = (_nniqat.ConvBnReLU1d, _nniqat.ConvBnReLU2d, _nniqat.ConvBnReLU3
 
 
 def _eligible(m: nn.Module) -> bool:
-    return type(m) is FusedMovingAvgObsFakeQuantize and type(m.activation_post_process) in (
+    return type(m) in (FusedMovingAvgObsFakeQuantize, ZeroCenteredFusedFakeQuantize) and type(m.activation_post_process) in (
         MovingAverageMinMaxObserver,
         MovingAveragePerChannelMinMaxObserver,
     )

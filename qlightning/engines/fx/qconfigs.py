@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from qlightning.engines.fx.ao import backend_config_for, quiet_torch_ao
+from qlightning.engines.fx.weights import default_qat_qconfig_mapping
 from qlightning.errors import ConfigError
 
 #: module types dynamic / weight-only quantization applies to by default
@@ -150,8 +151,11 @@ def low_bit_qconfig_mapping(
     tq = _tq()
     
 
-    with quiet_torch_ao():
-        base = (tq.get_default_qat_qconfig_mapping if is_qat else tq.get_default_qconfig_mapping)(backend)
+    if is_qat:
+        base = default_qat_qconfig_mapping(backend)
+    else:
+        with quiet_torch_ao():
+            base = tq.get_default_qconfig_mapping(backend)
     mapping = base.set_global(qconfig)
     if check:
         unsupported = unsupported_types(qconfig, backend, (nn.Conv2d, nn.Linear))

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import inspect
 import itertools
 import logging
@@ -42,7 +44,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, check_batch_norm_gammas, settle_fake_quant_state, trained_qparams
+from qlightning.engines.base import (
+    Inputs, QuantEngine, QuantSpec, ZeroCenteredWeightRange, check_batch_norm_gammas, current_range_weight_ctr, settle_fake_quant_state, trained_qparams,
+)
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
 from qlightning.core.schedule import Phase
 
@@ -108,6 +112,12 @@ def load_torchao() -> SimpleNamespace:
         observer_types += (AoObserverBase,)
     except ImportError:  # pragma: no cover - torch without torch.ao.quantization
         pass
+
+    def x86_config(is_qat: bool = False, **kwargs: Any) -> Any:
+        # QAT weights: the current weights' range, centred on zero (ZeroCenteredWeightRange says why)
+        config = get_default_x86_inductor_quantization_config(is_qat=is_qat, **kwargs)
+        return _tracking_current_weights(config) if is_qat else config
+
     return SimpleNamespace(
         quantize_pt2e_module=quantize_pt2e_module,
         convert_pt2e=convert_pt2e,
@@ -115,10 +125,30 @@ def load_torchao() -> SimpleNamespace:
         prepare_qat_pt2e=prepare_qat_pt2e,
         Quantizer=Quantizer,
         X86InductorQuantizer=X86InductorQuantizer,
-        get_default_x86_inductor_quantization_config=get_default_x86_inductor_quantization_config,
+        x86_config=x86_config,
         fake_quant_types=fake_quant_types,
         observer_types=observer_types,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_centered_fake_quantize(base: type) -> type:
+    """torchao's ``FusedMovingAvgObsFakeQuantize`` (``base``) with :class:`ZeroCenteredWeightRange`: made here,
+    not at import, because importing this module never imports torchao."""
+    return type("ZeroCenteredFusedFakeQuantize", (ZeroCenteredWeightRange, base), {"__module__": __name__})
+
+
+def _tracking_current_weights(config: Any) -> Any:
+    """A QAT ``QuantizationConfig`` whose fused weight fake-quant takes the current weights' range at each step
+    (``averaging_constant=1``) centred on zero (:class:`ZeroCenteredWeightRange`, which says why); as the FX
+    engine's defaults (``qlightning.engines.fx.weights``). Other weight specs are returned as they are."""
+    spec = config.weight
+    ctr = getattr(spec, "observer_or_fake_quant_ctr", None)
+    base = getattr(getattr(ctr, "p", None), "func", None)
+    tracked = current_range_weight_ctr(ctr, _zero_centered_fake_quantize(base)) if isinstance(base, type) else None
+    if tracked is None:
+        return config
+    return dataclasses.replace(config, weight=dataclasses.replace(spec, observer_or_fake_quant_ctr=tracked))
 
 
 # --------------------------------------------------------------------------- train / eval of graphs
@@ -649,7 +679,7 @@ class Pt2eEngine(QuantEngine):
                 return None
             variants = {"default": {}, "dynamic": {"is_dynamic": True}, "reduce_range": {"reduce_range": True}}
             if isinstance(value, str) and value in variants:
-                return self.ao.get_default_x86_inductor_quantization_config(is_qat=is_qat, **variants[value])
+                return self.ao.x86_config(is_qat=is_qat, **variants[value])
             errors.append(
                 f"{key}={value!r}: the pt2e engine (X86InductorQuantizer) takes {sorted(variants)} or null; "
                 "qconfig presets and observer specs need engine='fx'"
@@ -692,7 +722,7 @@ class Pt2eEngine(QuantEngine):
             quantizer = spec.qconfig_mapping
         else:
             quantizer = self.ao.X86InductorQuantizer()
-            quantizer.set_global(self.ao.get_default_x86_inductor_quantization_config(is_qat=spec.is_qat))
+            quantizer.set_global(self.ao.x86_config(is_qat=spec.is_qat))
         if spec.options.get("quantize_embeddings", False):
             # weight-only uint8 rows (per-row float scale and offset) for aten.embedding, which
             # X86InductorQuantizer leaves float; a language model's embedding tables are often half its size
