@@ -199,3 +199,30 @@ def test_engine_messages_name_arguments_and_the_config_layer_names_keys():
     text = str(from_config.value)
     assert "quant.backend=qnnpack" in text or "quant.backend='qnnpack'" in text
     assert "quant.engine=fx" in text
+
+
+ENGINE_NAMES = ("fx", "pt2e")
+
+
+def _engine_name_literals(node: ast.AST) -> list[str]:
+    """The engine names a comparison holds as string literals (``x == "fx"``, ``x in ("fx", "pt2e")``)."""
+    found = []
+    for side in [node.left, *node.comparators]:  # type: ignore[attr-defined]
+        items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+        found += [i.value for i in items if isinstance(i, ast.Constant) and i.value in ENGINE_NAMES]
+    return found
+
+
+def test_no_module_outside_the_engines_compares_an_engine_name_to_a_literal():
+    """Adding a third engine touches one folder: elsewhere an engine is asked (its class attributes), not named."""
+    from qlightning.engines import ENGINES
+
+    assert set(ENGINES) <= set(ENGINE_NAMES), "add the new engine's name to ENGINE_NAMES"
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        if _module_name(path).startswith("engines"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Compare) and _engine_name_literals(node):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} compares with {_engine_name_literals(node)}")
+    assert not offenders, "\n".join(sorted(offenders))

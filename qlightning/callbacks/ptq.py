@@ -25,7 +25,7 @@ from qlightning.callbacks.qat import QuantizationAwareTraining
 from qlightning.core.fidelity import PTQ_FIDELITY, FidelityConfig, apply_on_breach, compare_modules
 from qlightning.core.inputs import Inputs, RandomStates, as_inputs, capture_inputs, evaluating, example_inputs_for, resolve_targets
 from qlightning.core.session import QuantSession, set_submodule
-from qlightning.engines import BACKENDS, ENGINES, QuantEngine, QuantSpec, get_engine
+from qlightning.engines import BACKENDS, ENGINES, QuantEngine, QuantSpec, engine_class, get_engine
 from qlightning.engines.fx.qconfigs import dynamic_qconfig_mapping, quantize_dynamic_eager
 from qlightning.quantize.equalization import equalized_layers
 from qlightning.quantize.calibration import calibrate, calibrate_and_convert, detach_shallow, float_module_from, run_to_targets, spec_for_ptq
@@ -135,9 +135,10 @@ class PostTrainingQuantization(SessionCallback, Callback):
         names = check_common_arguments(modules, backend, engine, errors)
         self.fidelity = FidelityConfig.from_value(fidelity, errors, "fidelity", defaults=PTQ_FIDELITY)
         engine_name = engine if isinstance(engine, str) else getattr(engine, "name", None)
+        kind = engine_class(engine)
         if mode not in MODES:
             errors.append(f"mode={mode!r}: unknown mode; valid choices: {list(MODES)}")
-        elif mode != "static" and engine_name not in (None, "fx"):
+        elif mode not in (kind.ptq_modes if kind is not None else ("static",)):
             errors.append(f"mode={mode!r}: dynamic and weight-only PTQ run on torch.ao (engine='fx'), got engine={engine_name!r}")
         if calibrate_on not in SOURCES:
             errors.append(f"calibrate_on={calibrate_on!r}: valid choices: {list(SOURCES)}")
@@ -163,7 +164,7 @@ class PostTrainingQuantization(SessionCallback, Callback):
                 )
             if mode in MODES and mode != "static":
                 errors.append(f"equalization: only static PTQ calibrates activations; mode={mode!r}")
-            if engine_name not in (None, "fx"):
+            if kind is None or not kind.equalizes_inputs_and_weights:
                 errors.append(f"equalization: input-weight equalization is an FX feature; engine={engine_name!r}")
         if cross_layer_equalization and mode in MODES and mode != "static":
             errors.append(f"cross_layer_equalization: meant for static PTQ (Conv/Linear pairs with ReLU); mode={mode!r}")

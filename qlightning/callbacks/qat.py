@@ -34,9 +34,9 @@ from qlightning.core.compile_choice import CompileDecider, phases_left
 from qlightning.core.fidelity import FidelityConfig, ModuleFidelity, apply_on_breach, compare_modules
 from qlightning.core.schedule import AUTO, AutoSchedule, Milestone, MilestoneLike, Phase, Schedule, unreachable
 from qlightning.core.session import QuantSession, has_submodule, set_submodule
-from qlightning.engines import QuantEngine, QuantSpec, check_engine_options, compile_mode
+from qlightning.engines import QuantEngine, QuantSpec, check_engine_options, compile_mode, engine_class
 from qlightning.errors import ConfigError, EngineUnavailableError, IncompleteScheduleError, QLightningError
-from qlightning.quantize.lowering import CANDIDATES
+from qlightning.quantize.lowering import CANDIDATES, ENGINE_MODULE
 
 STAGES = ("train", "validate", "test", "predict")
 ON_INCOMPLETE = ("calibrate", "error")
@@ -189,12 +189,12 @@ class QuantizationAwareTraining(SessionCallback, Callback):
             errors.append("example_inputs: expected a mapping {module_name: tensor | tuple | dict}")
         if not isinstance(ptq_baseline, (bool, int)) or (not isinstance(ptq_baseline, bool) and ptq_baseline < 1):
             errors.append(f"ptq_baseline={ptq_baseline!r}: True, False or a positive number of calibration batches")
-        if lowering not in ("fx", "auto", *CANDIDATES):
-            errors.append(f"lowering={lowering!r}: valid choices: {['fx', 'auto', *CANDIDATES]}")
+        if lowering not in (ENGINE_MODULE, "auto", *CANDIDATES):
+            errors.append(f"lowering={lowering!r}: valid choices: {[ENGINE_MODULE, 'auto', *CANDIDATES]}")
         bad_candidates = [c for c in (lowering_candidates or ()) if c not in CANDIDATES]
         if bad_candidates:
             errors.append(f"lowering_candidates: unknown {bad_candidates}; valid: {list(CANDIDATES)}")
-        if lowering != "fx" and not keep_fake_quant:
+        if lowering != ENGINE_MODULE and not keep_fake_quant:
             errors.append(f"lowering={lowering!r}: needs keep_fake_quant=True (the fake-quant model is the parity reference)")
         if not isinstance(lowering_batch_size, int) or lowering_batch_size < 1:
             errors.append(f"lowering_batch_size={lowering_batch_size!r}: a positive batch size")
@@ -270,7 +270,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         if self.prepared:
             return
         start_method = compat.spawn_start_method(trainer)
-        if stage == "fit" and start_method is not None and self.engine.name != "fx":
+        if stage == "fit" and start_method is not None and not self.engine.spawn_hand_over:
             names = {"spawn": "'ddp_spawn'", "fork": "'ddp_fork' / 'ddp_notebook'"}.get(start_method, start_method)
             raise ConfigError(
                 f"strategy={names} (processes started with {start_method!r}) with engine={self.engine.name!r}: "
@@ -499,7 +499,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         """
         errors: list[str] = []
         for callback, moved, is_default in found:
-            if self.engine.name != "fx":
+            if not self.engine.keeps_module_names:
                 errors.append(
                     f"ModelPruning: prunes {[f'{n}.{p}' for _, n, p in moved][:4]}... inside the quantized modules "
                     f"{self.targets}; only the fx engine keeps their names when preparing (this run: {self.engine.name!r})"
@@ -823,7 +823,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         self, pl_module: "pl.LightningModule", name: str, int8: nn.Module, runtime: str, data: Optional[bytes]
     ) -> nn.Module:
         """The runtime rank 0 chose for ``name``: its pickled module, or built again (not timed) here."""
-        if data is not None and runtime != "fx":
+        if data is not None and runtime != ENGINE_MODULE:
             return attach_source(loads_modules(data), int8)
         return self.session.rebuild_lowered(name, int8, runtime, self.lowering_batch_size)
 
@@ -940,8 +940,8 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         # spawn fit) carry the model's state but not the fake-quant copies kept for reports and
         # lowering: FX-prepared modules do not pickle, and those processes never use them.
         state = self.__dict__.copy()
-        engine = self._engine_arg if isinstance(self._engine_arg, str) else getattr(self._engine_arg, "name", None)
-        if engine == "fx":
+        engine = engine_class(self._engine_arg)
+        if engine is not None and engine.pickles_without_prepared:
             session = copy.copy(self.session)
             session.fake_quant_modules = {}
             state["session"] = session

@@ -15,7 +15,7 @@ from qlightning.callbacks.qat import ON_INCOMPLETE, STAGES
 from qlightning.config.export_schema import ExportConf, ParityConf
 from qlightning.core.fidelity import ON_BREACH
 from qlightning.engines import BACKENDS, ENGINES
-from qlightning.quantize.lowering import CANDIDATES
+from qlightning.quantize.lowering import CANDIDATES, ENGINE_MODULE
 
 SCHEMA_VERSION = 1
 
@@ -27,7 +27,7 @@ def _choices(name: str, values: Any) -> Any:
 
 EngineName = _choices("EngineName", ENGINES)
 Backend = _choices("Backend", BACKENDS)
-Lowering = _choices("Lowering", ("fx", "auto", *(c for c in CANDIDATES if c != "fx")))
+Lowering = _choices("Lowering", (ENGINE_MODULE, "auto", *(c for c in CANDIDATES if c != ENGINE_MODULE)))
 
 
 class Method(str, Enum):

@@ -13,6 +13,7 @@ from qlightning.config.dry_run import dry_run_problems, first_batch
 from qlightning.config.export_schema import check_export_config
 from qlightning.config.qconfig import check_against_model
 from qlightning.config.trainer_check import check_trainer
+from qlightning.engines import engine_class
 from qlightning.errors import ConfigError
 
 
@@ -108,8 +109,8 @@ def export_format_problems(cfg: DictConfig, callback: Any) -> list[str]:
 
 def runs_dry(cfg: DictConfig, dry_run: Optional[bool]) -> bool:
     """Whether :func:`validate_config` dry-runs: ``dry_run``, or for ``None`` where it costs seconds (fx)."""
-    engine = cfg.quant.get("engine")
-    return bool(dry_run) or (dry_run is None and str(getattr(engine, "value", engine)) == "fx")
+    engine = engine_class(str(getattr(cfg.quant.get("engine"), "value", cfg.quant.get("engine"))))
+    return bool(dry_run) or (dry_run is None and engine is not None and engine.dry_run_by_default)
 
 
 def validate_config(cfg: DictConfig, dry_run: Optional[bool] = True) -> tuple[list[str], Any, Any]:

@@ -22,7 +22,7 @@ from qlightning.core.schedule import Phase
 from qlightning.engines import QuantEngine, QuantSpec
 from qlightning.errors import ConfigError, DryRunError, ReferenceUnavailableError, TraceError
 from qlightning.quantize.calibration import float_module_from
-from qlightning.quantize.lowering import BUILDERS, CANDIDATES, LoweringChoice, LoweringContext, choose_lowering
+from qlightning.quantize.lowering import BUILDERS, CANDIDATES, ENGINE_MODULE, LoweringChoice, LoweringContext, choose_lowering
 from qlightning.quantize.ptq import ptq_baseline
 
 
@@ -285,7 +285,7 @@ class QuantSession:
             int8 = self.engine.convert(prepared, self.spec)
             self.int8_modules[name] = int8
             set_submodule(root, name, int8)
-            if lowering != "fx" and name in self.fake_quant_modules:
+            if lowering != ENGINE_MODULE and name in self.fake_quant_modules:
                 set_submodule(root, name, self.lower(name, int8, lowering, candidates, batch_size, min_sqnr_db, on_choice))
         self.converted = True
 
@@ -340,7 +340,7 @@ class QuantSession:
 
     def rebuild_lowered(self, name: str, int8: nn.Module, runtime: str, batch_size: int = 32) -> nn.Module:
         """The runtime ``runtime`` of ``int8`` built again, without timing (another process chose it)."""
-        if runtime == "fx":
+        if runtime == ENGINE_MODULE:
             return int8
         try:
             reference = self.reference_module(name)

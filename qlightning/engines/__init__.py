@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Optional
 
 from qlightning.engines.base import BACKENDS, Inputs, QuantEngine, QuantSpec
 from qlightning.errors import ConfigError
@@ -79,8 +79,19 @@ def get_engine(name: str) -> QuantEngine:
     """
     if name not in ENGINE_CLASSES:
         raise ConfigError(f"engine={name!r}: unknown engine; valid choices: {list(ENGINES)}")
-    module, _, cls = ENGINE_CLASSES[name].partition(":")
-    return getattr(importlib.import_module(module), cls)()
+    return engine_class(name)()  # type: ignore[misc]
+
+
+def engine_class(engine: Any) -> Optional[type[QuantEngine]]:
+    """The class of ``engine``, a name or an instance, imported but not instantiated (so nothing of torch.ao
+    or torchao is loaded); ``None`` for a name that is no engine. Ask it what the engine does (its class
+    attributes), rather than comparing names."""
+    if not isinstance(engine, str):
+        return type(engine)
+    if engine not in ENGINE_CLASSES:
+        return None
+    module, _, cls = ENGINE_CLASSES[engine].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def quantized_decomposed_ops() -> Any:
@@ -90,4 +101,4 @@ def quantized_decomposed_ops() -> Any:
     return ops()
 
 
-__all__ = ["quantized_decomposed_ops", "BACKENDS", "COMPILE_MODES", "ENGINES", "compile_mode", "ENGINE_OPTIONS", "check_engine_options", "Inputs", "QuantEngine", "QuantSpec", "get_engine"]
+__all__ = ["quantized_decomposed_ops", "BACKENDS", "COMPILE_MODES", "ENGINES", "compile_mode", "engine_class", "ENGINE_OPTIONS", "check_engine_options", "Inputs", "QuantEngine", "QuantSpec", "get_engine"]

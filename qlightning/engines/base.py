@@ -55,6 +55,20 @@ class QuantEngine(ABC):
     #: whether :meth:`convert` returns a float q/dq graph (PT2E) rather than quantized kernels (FX): a
     #: q/dq graph is its own reference for exports and lowering, kernels need the prepared module kept
     converts_to_qdq_graph: ClassVar[bool] = False
+    #: the PTQ modes it calibrates and converts (``PostTrainingQuantization(mode=...)``)
+    ptq_modes: ClassVar[tuple[str, ...]] = ("static",)
+    #: whether PTQ can apply input-weight equalization (``equalization=``) with it
+    equalizes_inputs_and_weights: ClassVar[bool] = False
+    #: whether a prepared module keeps the float submodules' names (so ModelPruning can follow them)
+    keeps_module_names: ClassVar[bool] = False
+    #: whether rank 0 of a spawn/fork strategy can hand its result back to the main process (its int8
+    #: modules pickle and its prepared modules can be prepared again there)
+    spawn_hand_over: ClassVar[bool] = False
+    #: whether a pickled (or deep-copied) QAT callback leaves its kept fake-quant copies out, because
+    #: this engine's prepared modules do not pickle
+    pickles_without_prepared: ClassVar[bool] = False
+    #: whether ``qlightning recipes validate`` / ``doctor`` dry-run prepare -> convert by default (seconds)
+    dry_run_by_default: ClassVar[bool] = False
 
     def converted_here(self, module: nn.Module) -> bool:
         """Whether ``module`` is what this engine's :meth:`convert` makes (lowering asks, to pick the engine)."""

@@ -51,7 +51,9 @@ from qlightning.engines import ENGINES, QuantEngine, get_engine
 from qlightning.errors import EngineUnavailableError, QLightningError
 from qlightning.quantize.qdq import quiet_export, qdq_program, write_onnx
 
-CANDIDATES = ("fx", "onnxruntime", "inductor")
+#: the lowering that keeps the engine's own int8 module, whichever the engine (named after FX, the first one)
+ENGINE_MODULE = "fx"
+CANDIDATES = (ENGINE_MODULE, "onnxruntime", "inductor")
 DEFAULT_MIN_SQNR_DB = 25.0
 DEFAULT_MIN_TOP1 = 0.99
 
@@ -199,7 +201,7 @@ def _build_inductor(ctx: LoweringContext) -> nn.Module:
 
 
 BUILDERS: dict[str, Callable[[LoweringContext], nn.Module]] = {
-    "fx": _build_fx,
+    ENGINE_MODULE: _build_fx,
     "onnxruntime": _build_onnxruntime,
     "inductor": _build_inductor,
 }
@@ -265,7 +267,7 @@ def choose_lowering(
     repeats: int = 20,
     warmup: int = 3,
     threads: Optional[int] = None,
-    fallback: str = "fx",
+    fallback: str = ENGINE_MODULE,
     tolerance_db: Optional[float] = 1.0,
     builders: Optional[Mapping[str, Callable[[LoweringContext], nn.Module]]] = None,
     qdq_module: Optional[nn.Module] = None,

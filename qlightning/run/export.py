@@ -207,6 +207,7 @@ def manifest(
     example: Inputs,
     backend: str,
     engine: str,
+    qdq_graph: bool,
     dynamic_batch: bool,
     qparams: dict[str, Any],
     provenance: dict[str, Any],
@@ -226,7 +227,7 @@ def manifest(
     }[artifact.format]
     runtime = {
         "torchscript": f"torch.jit, quantized kernels for {backend} (torch.backends.quantized.engine = '{backend}')"
-        if engine == "fx" else "torch.jit of the q/dq graph (float ops with int8 q/dq simulation)",
+        if not qdq_graph else "torch.jit of the q/dq graph (float ops with int8 q/dq simulation)",
         "pt2": "torch.export ExportedProgram, float ops with int8 q/dq simulation",
         "onnx": "onnxruntime, QDQ (QuantizeLinear/DequantizeLinear) form",
     }[artifact.format]
@@ -337,6 +338,7 @@ def export_module(
                 example=example,
                 backend=session.backend,
                 engine=session.engine.name,
+                qdq_graph=session.engine.converts_to_qdq_graph,
                 dynamic_batch=dynamic_batch,
                 qparams=qparams,
                 provenance=provenance,

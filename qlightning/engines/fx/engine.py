@@ -226,6 +226,12 @@ class FxEngine(QuantEngine):
 
     name = "fx"
     compiles_training = True
+    ptq_modes = ("static", "dynamic", "weight_only")
+    equalizes_inputs_and_weights = True
+    keeps_module_names = True
+    spawn_hand_over = True
+    pickles_without_prepared = True  # their qconfigs hold a local function
+    dry_run_by_default = True
 
     def converted_here(self, module: nn.Module) -> bool:
         for node in getattr(getattr(module, "graph", None), "nodes", ()):
