@@ -178,7 +178,8 @@ def test_private_lightning_access_lives_in_one_module():
             continue
         text = path.read_text()
         for needle in ("_MultiProcessingLauncher", "._data_source", "._parameters_to_prune", "._original_layers",
-                       "_set_sampler_epoch", "._apply_batch_transfer_handler"):
+                       "_set_sampler_epoch", "._apply_batch_transfer_handler", "_recover_results_in_main_process",
+                       "._start_method", "_WorkerOutput", "worker_output.", "._data_connector", "._parameter_names"):
             if needle in text:
                 offenders.append(f"{path.relative_to(ROOT)} uses {needle}")
     assert not offenders, "\n".join(offenders)

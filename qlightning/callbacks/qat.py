@@ -999,11 +999,11 @@ def _install_main_process_recovery() -> None:
     compat.install_main_process_recovery(_rebuild_rank_zero_modules, _check_main_process_keys)
 
 
-def _rebuild_rank_zero_modules(worker_output: Any, trainer: "pl.Trainer") -> dict[str, list[str]]:
+def _rebuild_rank_zero_modules(trainer: "pl.Trainer", extra: dict[str, Any], fitted: bool) -> dict[str, list[str]]:
     callbacks = [c for c in trainer.callbacks if isinstance(c, QuantizationAwareTraining)]
-    sent = (worker_output.extra or {}).get(_EXTRA_KEY, {})
+    sent = extra.get(_EXTRA_KEY, {})
     expected: dict[str, list[str]] = {}
-    if worker_output.weights_path is not None:  # a fit: rank 0's weights come back
+    if fitted:  # a fit: rank 0's weights come back
         for callback in callbacks:
             if callback.state_key not in sent:
                 raise QLightningError(
