@@ -36,9 +36,6 @@ ONLY_UNDER = {
 }
 
 
-# Waiting for the allowlist rewrite (issue 15) to land, then moving into engines/fx: the plain-data
-# qconfig builder resolves class names through the config allowlist. Empty this and the test holds.
-PENDING = {"config.qconfig"}
 
 
 def _module_name(path: Path) -> str:
@@ -139,7 +136,7 @@ def test_every_import_arrow_points_down_the_layers():
     upward = []
     for module, deps in _graph().items():
         for dep in deps:
-            if _layer(dep) > _layer(module) and dep not in PENDING:
+            if _layer(dep) > _layer(module):
                 upward.append(f"{module} ({LAYERS[_layer(module)][0] or 'api'}) -> {dep} ({LAYERS[_layer(dep)][0]})")
     assert not upward, "imports that point up a layer:\n" + "\n".join(sorted(upward))
 
@@ -149,7 +146,7 @@ def test_quantization_and_lightning_libraries_are_imported_only_by_their_layer(l
     allowed = ONLY_UNDER[library]
     offenders = []
     for module, imports in MODULES.items():
-        if module in PENDING or any(module == a or module.startswith(a + ".") for a in allowed):
+        if any(module == a or module.startswith(a + ".") for a in allowed):
             continue
         for target, line in imports:
             if target == library or target.startswith(library + "."):
@@ -166,8 +163,7 @@ def test_engines_never_read_config_nor_name_config_keys():
                 offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
     for module, imports in MODULES.items():
         if module.startswith("engines"):
-            offenders += [f"{module} imports {t}" for t, _ in imports
-                          if t.startswith("qlightning.config") and _internal(t) not in PENDING]
+            offenders += [f"{module} imports {t}" for t, _ in imports if t.startswith("qlightning.config")]
     assert not offenders, "\n".join(offenders)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import typing
 from typing import Any, Iterable, Mapping
 
-from qlightning.config.qconfig import close
+from qlightning.engines.names import close
 
 
 def precision_choices() -> list[Any]:

@@ -11,10 +11,13 @@ from qlightning.config.build import build_callback, check_targets, instantiate_c
 from qlightning.config.checkpoint_check import check_checkpoint
 from qlightning.config.dry_run import dry_run_problems, first_batch
 from qlightning.config.export_schema import check_export_config
-from qlightning.config.qconfig import check_against_model
 from qlightning.config.trainer_check import check_trainer
 from qlightning.engines import engine_class
+from qlightning.engines.fx.qconfig_builder import check_against_model
 from qlightning.errors import ConfigError
+
+#: the config keys of the sections :func:`check_against_model` names
+QUANT_KEYS = {"qconfig_mapping": "quant.qconfig_mapping", "prepare": "quant.prepare"}
 
 
 def describe(exc: BaseException) -> str:
@@ -155,7 +158,7 @@ def validate_config(cfg: DictConfig, dry_run: Optional[bool] = True) -> tuple[li
     if model is not None:
         try:
             targets = resolve_targets(model, list(cfg.quant.modules), key="quant.modules")
-            problems.extend(check_against_model({t: model.get_submodule(t) for t in targets}, cfg.quant))
+            problems.extend(check_against_model({t: model.get_submodule(t) for t in targets}, cfg.quant, QUANT_KEYS))
         except ConfigError as exc:
             problems.extend(exc.problems)
     if model is not None and callback is not None and not problems and runs_dry(cfg, dry_run):

@@ -29,7 +29,8 @@ class QuantSpec:
     Attributes:
         backend: the int8 kernel library the model is lowered for; one of :data:`BACKENDS`.
         qconfig_mapping: ``None`` for the backend's default QAT mapping, else a native object of
-            the engine (``QConfigMapping`` for FX) built by :mod:`qlightning.config`.
+            the engine (``QConfigMapping`` for FX) or plain data that :meth:`QuantEngine.resolve_spec`
+            turns into one.
         prepare_custom_config: native prepare-time custom config (FX ``PrepareCustomConfig``) or ``None``.
         convert_custom_config: native convert-time custom config (FX ``ConvertCustomConfig``) or ``None``.
         backend_config: native backend config, ``None`` for the backend's own.

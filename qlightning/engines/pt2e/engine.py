@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from qlightning.engines.base import Inputs, QuantEngine, QuantSpec, check_batch_norm_gammas, settle_fake_quant_state, trained_qparams
+from qlightning.engines.names import plain, resolve_reference
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
 from qlightning.core.schedule import Phase
 
@@ -638,8 +639,6 @@ class Pt2eEngine(QuantEngine):
         ``dynamic``, ``reduce_range`` (for CPUs without VNNI) or ``null``. Presets, observer specs,
         regexes and call-order entries are FX features and are refused, naming the FX engine.
         """
-        from qlightning.config.qconfig import plain, resolve_reference
-
         data = plain(data)
         data = {"global": data} if isinstance(data, str) or data is None else data
         quantizer = self.ao.X86InductorQuantizer()
