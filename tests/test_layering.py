@@ -175,7 +175,9 @@ def test_private_lightning_access_lives_in_one_module():
         text = path.read_text()
         for needle in ("_MultiProcessingLauncher", "._data_source", "._parameters_to_prune", "._original_layers",
                        "_set_sampler_epoch", "._apply_batch_transfer_handler", "_recover_results_in_main_process",
-                       "._start_method", "_WorkerOutput", "worker_output.", "._data_connector", "._parameter_names"):
+                       "._start_method", "_WorkerOutput", "worker_output.", "._data_connector", "._parameter_names",
+                       "_should_skip_saving_checkpoint", "._monitor_candidates", "._save_topk_checkpoint",
+                       "._save_last_checkpoint", '"_trainer"', "._trainer"):
             if needle in text:
                 offenders.append(f"{path.relative_to(ROOT)} uses {needle}")
     assert not offenders, "\n".join(offenders)

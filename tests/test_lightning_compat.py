@@ -101,6 +101,25 @@ def test_the_main_process_recovery_is_one_wrapper_that_passes_through_and_can_be
         assert _MultiProcessingLauncher._recover_results_in_main_process is original
         assert not compat.uninstall_main_process_recovery()
         if was_installed:
-            from qlightning.callbacks.qat import _install_main_process_recovery
+            from qlightning.callbacks.distributed import install_main_process_recovery
 
-            _install_main_process_recovery()
+            install_main_process_recovery()
+
+
+def test_model_checkpoint_saves_last_through_the_methods_the_module_calls():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for name, params in (("_should_skip_saving_checkpoint", ["self", "trainer"]), ("_monitor_candidates", ["self", "trainer"]),
+                         ("_save_topk_checkpoint", ["self", "trainer", "monitor_candidates"]),
+                         ("_save_last_checkpoint", ["self", "trainer", "monitor_candidates"])):
+        assert list(inspect.signature(getattr(ModelCheckpoint, name)).parameters) == params, name
+
+
+def test_a_module_without_a_trainer_has_none_attached():
+    from qlightning.examples import DigitsClassifier
+
+    module = DigitsClassifier()
+    assert compat.attached_trainer(module) is None
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu", devices=1)
+    module.trainer = trainer
+    assert compat.attached_trainer(module) is trainer

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.pytorch.callbacks import ModelPruning
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import nn
 
@@ -88,6 +88,42 @@ def set_sampler_epoch(loader: Any, epoch: int) -> None:
         epoch: the epoch to set.
     """
     _set_sampler_epoch(loader, epoch)
+
+
+def attached_trainer(pl_module: Any) -> Optional[Any]:
+    """The Trainer ``pl_module`` is attached to, or ``None``.
+
+    ``LightningModule.trainer`` raises when no Trainer is attached (and a checkpoint can be loaded
+    into a module outside any fit); ``_trainer`` is the attribute behind it. Checked on lightning
+    2.4 - 2.6.6.
+
+    Args:
+        pl_module: the LightningModule.
+    """
+    return getattr(pl_module, "_trainer", None)
+
+
+# ---------------------------------------------------------------------- ModelCheckpoint
+
+
+def save_last_now(callback: ModelCheckpoint, trainer: Any) -> None:
+    """Write ``callback``'s ``last.ckpt`` now, as its own periodic save would (with ``save_last="link"``,
+    a top-k checkpoint first, which ``last.ckpt`` links to).
+
+    ``ModelCheckpoint`` has no public entry point to save outside its own schedule (no Lightning issue
+    found for one); its ``_should_skip_saving_checkpoint``, ``_monitor_candidates``,
+    ``_save_topk_checkpoint`` and ``_save_last_checkpoint`` are what its hooks call. Checked on
+    lightning 2.4 - 2.6.6.
+
+    Args:
+        callback: the ModelCheckpoint.
+        trainer: its Trainer.
+    """
+    if callback.save_last and not callback._should_skip_saving_checkpoint(trainer):
+        candidates = callback._monitor_candidates(trainer)
+        if callback.save_last == "link":
+            callback._save_topk_checkpoint(trainer, candidates)
+        callback._save_last_checkpoint(trainer, candidates)
 
 
 # ---------------------------------------------------------------------- ModelPruning
