@@ -23,12 +23,12 @@ from qlightning.callbacks.calibration_data import _STEP, calibration_batches, co
 from qlightning.callbacks.distributed import broadcast_buffers
 from qlightning.callbacks.qat import QuantizationAwareTraining
 from qlightning.core.fidelity import PTQ_FIDELITY, FidelityConfig, apply_on_breach, compare_modules
-from qlightning.core.inputs import Inputs, RandomStates, as_inputs, capture_inputs, evaluating, example_inputs_for, resolve_targets
+from qlightning.core.inputs import Inputs, RandomStates, as_inputs, capture_inputs, detach_shallow, evaluating, example_inputs_for, resolve_targets
 from qlightning.core.session import QuantSession, set_submodule
 from qlightning.engines import BACKENDS, ENGINES, QuantEngine, QuantSpec, engine_class, get_engine
 from qlightning.engines.fx.qconfigs import dynamic_qconfig_mapping, quantize_dynamic_eager
 from qlightning.quantize.equalization import equalized_layers
-from qlightning.quantize.calibration import calibrate, calibrate_and_convert, detach_shallow, float_module_from, run_to_targets, spec_for_ptq
+from qlightning.quantize.calibration import calibrate, calibrate_and_convert, float_module_from, run_to_targets, spec_for_ptq
 from qlightning.quantize.ptq import apply_cle, equalization_mapping, ptq_baseline
 from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError, TraceError
 
@@ -77,7 +77,9 @@ class PostTrainingQuantization(SessionCallback, Callback):
         qconfig_mapping: native mapping (FX ``QConfigMapping``); ``None`` = the backend's default
             PTQ mapping (static) or :func:`qlightning.engines.fx.qconfigs.dynamic_qconfig_mapping` (dynamic).
             :func:`qlightning.engines.fx.qconfigs.low_bit_qconfig_mapping` gives 4-bit weights.
-        prepare_custom_config, convert_custom_config, backend_config: native FX configs.
+        prepare_custom_config: native prepare custom config (FX ``PrepareCustomConfig``).
+        convert_custom_config: native convert custom config (FX ``ConvertCustomConfig``).
+        backend_config: native ``BackendConfig``; ``None`` uses the backend's own.
         example_inputs: ``{module_name: tensor | tuple | dict}`` instead of capturing them from
             ``example_input_array`` or the first calibration batch.
         equalization: FX input-weight equalization (static, fx): ``None``, ``"all"`` (every
@@ -282,6 +284,11 @@ class PostTrainingQuantization(SessionCallback, Callback):
 
         Called by the Trainer hooks; call it yourself with ``batches`` (an iterable of batches as
         the loader of ``calibrate_on`` yields them) to quantize without a Trainer.
+
+        Args:
+            pl_module: the LightningModule whose target submodules to quantize.
+            trainer: its Trainer, whose loader of ``calibrate_on`` gives the calibration batches.
+            batches: calibration batches to use instead of the Trainer's loader.
         """
         if self.converted:
             return
