@@ -95,7 +95,11 @@ def not_allowed_message(key: str, path: Any, reason: Any, kind: str, source: Opt
 
 
 def trusted_from_overrides(overrides: Iterable[str]) -> list[str]:
-    """The modules of a ``trusted_modules=[a,b]`` (or ``+``/``++``) command-line override."""
+    """The modules of a ``trusted_modules=[a,b]`` (or ``+``/``++``) command-line override.
+
+    Args:
+        overrides: the command line's Hydra overrides.
+    """
     for item in overrides:
         if str(item).lstrip("+").startswith("trusted_modules="):
             value = str(item).split("=", 1)[1].strip().strip("[]")
@@ -104,7 +108,11 @@ def trusted_from_overrides(overrides: Iterable[str]) -> list[str]:
 
 
 def trusted_prefixes(user_modules: Iterable[str] = ()) -> tuple[str, ...]:
-    """The built-in homes plus the user's trusted modules, each ending in ``.`` (for messages)."""
+    """The built-in homes plus the user's trusted modules, each ending in ``.`` (for messages).
+
+    Args:
+        user_modules: modules the user trusts besides ``QLIGHTNING_TRUSTED_MODULES``.
+    """
     return BUILTIN_PREFIXES + tuple(m + "." for m in user_trusted(user_modules))
 
 
@@ -127,7 +135,12 @@ def _plain(cfg: Any) -> Any:
 
 
 def iter_class_paths(node: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
-    """Yield ``(key path, class path)`` for every ``_target_`` in a config tree (without resolving it)."""
+    """Yield ``(key path, class path)`` for every ``_target_`` in a config tree (without resolving it).
+
+    Args:
+        node: a config tree (OmegaConf node or plain containers).
+        prefix: the key path of ``node`` in the whole config.
+    """
     for path, key, value in _walk(_plain(node), prefix):
         if key == "_target_":
             yield path, value if isinstance(value, str) else repr(value)
@@ -139,6 +152,11 @@ def check_class_paths(cfg: Any, user_modules: Iterable[str] = (), source: Option
     ``_target_`` is allowed as ``model._target_`` (a LightningModule) and ``data._target_`` (a
     LightningDataModule) only, as a literal string; ``_args_``, ``_partial_``, ``_recursive_`` and
     ``_convert_`` nowhere. Nothing is instantiated or called.
+
+    Args:
+        cfg: the config tree to check.
+        user_modules: modules the user trusts besides ``QLIGHTNING_TRUSTED_MODULES``.
+        source: the file the config came from, for messages.
     """
     where = f" in {source}" if source else ""
     errors = []

@@ -45,7 +45,14 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
 
 
 def check_engine_options(engine: str, options: object, errors: list[str], key: str = "engine_options") -> None:
-    """Append a message per unknown option or wrongly typed value of ``engine``'s options."""
+    """Append a message per unknown option or wrongly typed value of ``engine``'s options.
+
+    Args:
+        engine: the engine's name.
+        options: the ``engine_options`` given.
+        errors: where a message per problem is appended.
+        key: what the messages call the options (an argument or a config key).
+    """
     if options is None:
         return
     if not hasattr(options, "items"):
@@ -66,7 +73,11 @@ def check_engine_options(engine: str, options: object, errors: list[str], key: s
 
 
 def compile_mode(options: Any) -> str:
-    """``engine_options.compile`` as one of :data:`COMPILE_MODES` (true is on, false off; absent: auto)."""
+    """``engine_options.compile`` as one of :data:`COMPILE_MODES` (true is on, false off; absent: auto).
+
+    Args:
+        options: the ``engine_options`` given (or ``None``).
+    """
     value = (options or {}).get("compile", "auto")
     return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
 
@@ -76,6 +87,9 @@ def get_engine(name: str) -> QuantEngine:
 
     Importing an engine's module never fails at ``import qlightning`` time; an engine whose
     torch/torchao support is missing raises :class:`~qlightning.errors.EngineUnavailableError` here.
+
+    Args:
+        name: a key of :data:`ENGINE_CLASSES`.
     """
     if name not in ENGINE_CLASSES:
         raise ConfigError(f"engine={name!r}: unknown engine; valid choices: {list(ENGINES)}")
@@ -85,7 +99,11 @@ def get_engine(name: str) -> QuantEngine:
 def engine_class(engine: Any) -> Optional[type[QuantEngine]]:
     """The class of ``engine``, a name or an instance, imported but not instantiated (so nothing of torch.ao
     or torchao is loaded); ``None`` for a name that is no engine. Ask it what the engine does (its class
-    attributes), rather than comparing names."""
+    attributes), rather than comparing names.
+
+    Args:
+        engine: an engine's name, or an engine instance.
+    """
     if not isinstance(engine, str):
         return type(engine)
     if engine not in ENGINE_CLASSES:

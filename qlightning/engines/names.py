@@ -60,7 +60,11 @@ class Unresolved(NotAllowed):
 
 
 def user_trusted(user_modules: Iterable[str] = ()) -> tuple[str, ...]:
-    """Module names the user trusts: ``QLIGHTNING_TRUSTED_MODULES`` plus ``user_modules``."""
+    """Module names the user trusts: ``QLIGHTNING_TRUSTED_MODULES`` plus ``user_modules``.
+
+    Args:
+        user_modules: modules trusted on the command line or in Python (``trusted_modules``).
+    """
     extra = [m for m in os.environ.get(ENV_VAR, "").replace(",", " ").split() if m]
     extra.extend(str(m) for m in user_modules)
     return tuple(m.strip().strip("'\"").rstrip(".") for m in extra if m.strip().strip("'\"").rstrip("."))
