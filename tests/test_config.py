@@ -83,7 +83,7 @@ def test_presets_keep_x86_int8_sums_from_overflowing():
     int16). On x86/fbgemm the presets take 7-bit weights (MiniLM: cosine to float 0.995, against 0.983 with
     torch.ao's 7-bit activations); a given weight range keeps its bits and halves the activations instead;
     qnnpack keeps 8 bits; both ranges given and overflowing is refused naming the key and the fix."""
-    from qlightning.config.qconfig import QConfigBuilder
+    from qlightning.engines.fx.qconfig_builder import QConfigBuilder
     from qlightning.errors import ConfigError
 
     def ranges(backend: str, spec) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -61,3 +61,65 @@ def test_the_multiprocessing_launcher_hooks_the_module_wraps():
     assert "start_method" in inspect.signature(_MultiProcessingLauncher.__init__).parameters
     launcher = _MultiProcessingLauncher(strategy=None, start_method="spawn")  # type: ignore[arg-type]
     assert launcher._start_method == "spawn"
+
+
+def test_the_main_process_recovery_wraps_the_method_lightning_calls_with_the_fields_it_reads():
+    """``install_main_process_recovery`` reads ``worker_output.extra`` / ``.weights_path`` and calls the original
+    as ``(self, worker_output, trainer)``; a Lightning that renames any of them fails here."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+
+    assert list(inspect.signature(_MultiProcessingLauncher._recover_results_in_main_process).parameters) == [
+        "self", "worker_output", "trainer"]
+    assert list(inspect.signature(_MultiProcessingLauncher.get_extra_results).parameters) == ["self", "trainer"]
+    assert {"extra", "weights_path"} <= set(_WorkerOutput._fields)
+    # and Lightning still calls it where it loads rank 0's weights into the main process's model
+    assert "_recover_results_in_main_process" in inspect.getsource(_MultiProcessingLauncher.launch)
+
+
+def test_the_main_process_recovery_is_one_wrapper_that_passes_through_and_can_be_undone():
+    import qlightning  # noqa: F401  (constructing a QAT callback installs it; here by hand)
+
+    was_installed = compat.uninstall_main_process_recovery()
+    original = _MultiProcessingLauncher._recover_results_in_main_process
+    seen = []
+    try:
+        compat.install_main_process_recovery(lambda trainer, extra, fitted: seen.append((trainer, extra, fitted)) or {"k": []},
+                                             lambda trainer, expected: seen.append(expected))
+        compat.install_main_process_recovery(lambda *a: {}, lambda *a: None)  # idempotent: the first stays
+        wrapped = _MultiProcessingLauncher._recover_results_in_main_process
+        assert wrapped is not original and getattr(wrapped, "_qlightning", False)
+        calls = []
+        wrapped._original = lambda self, output, trainer: calls.append((output, trainer))  # Lightning's, stubbed
+        from collections import namedtuple
+
+        output = namedtuple("Output", "extra weights_path")({"a": 1}, None)
+        wrapped(object(), output, "trainer")
+        assert seen == [("trainer", {"a": 1}, False), {"k": []}] and calls == [(output, "trainer")]
+        wrapped._original = original
+    finally:
+        assert compat.uninstall_main_process_recovery()
+        assert _MultiProcessingLauncher._recover_results_in_main_process is original
+        assert not compat.uninstall_main_process_recovery()
+        if was_installed:
+            from qlightning.callbacks.distributed import install_main_process_recovery
+
+            install_main_process_recovery()
+
+
+def test_model_checkpoint_saves_last_through_the_methods_the_module_calls():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for name, params in (("_should_skip_saving_checkpoint", ["self", "trainer"]), ("_monitor_candidates", ["self", "trainer"]),
+                         ("_save_topk_checkpoint", ["self", "trainer", "monitor_candidates"]),
+                         ("_save_last_checkpoint", ["self", "trainer", "monitor_candidates"])):
+        assert list(inspect.signature(getattr(ModelCheckpoint, name)).parameters) == params, name
+
+
+def test_a_module_without_a_trainer_has_none_attached():
+    from qlightning.examples import DigitsClassifier
+
+    module = DigitsClassifier()
+    assert compat.attached_trainer(module) is None
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu", devices=1)
+    module.trainer = trainer
+    assert compat.attached_trainer(module) is trainer

@@ -14,7 +14,14 @@ from qlightning.engines import BACKENDS, ENGINES, QuantEngine, get_engine
 
 
 def check_common_arguments(modules: Any, backend: str, engine: Any, errors: list[str]) -> list[str]:
-    """The checks QAT and PTQ callbacks share: module names, backend, engine. Returns the names."""
+    """The checks QAT and PTQ callbacks share: module names, backend, engine. Returns the names.
+
+    Args:
+        modules: the ``modules`` argument (a name, a pattern, or a list of them).
+        backend: the ``backend`` argument.
+        engine: the ``engine`` argument (a name or an instance).
+        errors: where a message per problem is appended.
+    """
     names = [modules] if isinstance(modules, str) else list(modules)
     if not names or not all(isinstance(n, str) and n for n in names):
         errors.append(f"modules={modules!r}: give one or more submodule names, e.g. ['net']")

@@ -9,9 +9,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import CombinedLoader
 
 from qlightning.callbacks import lightning_compat as compat
-from qlightning.core.inputs import Inputs, RandomStates
+from qlightning.core.inputs import Inputs, RandomStates, detach_shallow
 from qlightning.errors import QLightningError
-from qlightning.quantize.calibration import detach_shallow, run_to_targets
+from qlightning.quantize.calibration import run_to_targets
 
 _STEP = {"train": "training_step", "val": "validation_step"}
 
@@ -24,7 +24,15 @@ def collect_inputs(
     trainer: Optional["pl.Trainer"] = None,
 ) -> dict[str, list[Inputs]]:
     """Inputs each target submodule receives on ``batches``, running ``training_step`` (source
-    ``"train"``) or ``validation_step`` (``"val"``) up to the targets. Kept in memory: use a few batches."""
+    ``"train"``) or ``validation_step`` (``"val"``) up to the targets. Kept in memory: use a few batches.
+
+    Args:
+        pl_module: the LightningModule whose step runs.
+        targets: names of the submodules whose inputs to keep.
+        batches: the batches, as the loader yields them.
+        source: ``"train"`` (``training_step``) or ``"val"`` (``validation_step``).
+        trainer: the Trainer, to move batches as Lightning does (``None``: moved to the module's device only).
+    """
     collected: dict[str, list[Inputs]] = {name: [] for name in targets}
     step = getattr(pl_module, _STEP[source])
 
@@ -39,7 +47,13 @@ def collect_inputs(
 
 
 def calibration_batches(trainer: "pl.Trainer", source: str, num_batches: Optional[int]) -> Iterator[Any]:
-    """Up to ``num_batches`` batches (all when ``None``) of a fresh train or val loader of ``trainer``."""
+    """Up to ``num_batches`` batches (all when ``None``) of a fresh train or val loader of ``trainer``.
+
+    Args:
+        trainer: the Trainer whose loaders to read.
+        source: ``"train"`` or ``"val"``.
+        num_batches: how many (``None``: the whole loader).
+    """
     data_source = compat.loop_data_source(trainer, source)
     if not data_source.is_defined() or data_source.instance is None:
         raise QLightningError(

@@ -28,7 +28,11 @@ from qlightning.errors import QLightningError
 
 
 def qat_state(checkpoint: dict) -> dict:
-    """The QuantizationAwareTraining state saved in a Lightning checkpoint."""
+    """The QuantizationAwareTraining state saved in a Lightning checkpoint.
+
+    Args:
+        checkpoint: a loaded Lightning checkpoint.
+    """
     for key, value in checkpoint.get("callbacks", {}).items():
         if key.startswith("QuantizationAwareTraining"):
             return value
@@ -60,6 +64,12 @@ def restore(
     come from the checkpoint; pass the ``callback`` you trained with when it had a custom qconfig
     mapping or custom configs (those are code, not data, and are not stored). ``convert=False``
     returns the fake-quant model (observers off), ready to fine-tune or inspect.
+
+    Args:
+        model: a freshly built float LightningModule of the class that was trained.
+        checkpoint_path: the ``.ckpt`` file.
+        convert: convert to int8 (else the fake-quant model).
+        callback: the QuantizationAwareTraining the run trained with (``None``: built from the checkpoint).
 
     Example::
 
@@ -101,16 +111,25 @@ class QATCheckpointMixin:
     qat_callback: Optional[QuantizationAwareTraining] = None
 
     def configure_qat_callback(self, state: dict) -> Optional[QuantizationAwareTraining]:
-        """The callback that prepares this model for ``state``; ``None``: built from ``state``."""
+        """The callback that prepares this model for ``state``; ``None``: built from ``state``.
+
+        Args:
+            state: the checkpoint's QAT state.
+        """
         return None
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Prepare this model for a QAT checkpoint before Lightning loads its weights (unless a QAT callback will).
+
+        Args:
+            checkpoint: the checkpoint being loaded.
+        """
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
         try:
             state = qat_state(checkpoint)
         except QLightningError:
             return
-        trainer = getattr(self, "_trainer", None)
+        trainer = compat.attached_trainer(self)
         if trainer is not None and any(isinstance(c, QuantizationAwareTraining) for c in trainer.callbacks):
             return  # that callback prepares the model (fit: before the restore; test/validate: right after this)
         if set(checkpoint.get("state_dict", {})) <= set(self.state_dict()):  # type: ignore[attr-defined]
@@ -132,12 +151,14 @@ class ModelCheckpointWithFinalLast(ModelCheckpoint):
     """
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Lightning's ``on_train_end``, then ``last.ckpt`` at the final step.
+
+        Args:
+            trainer: the Trainer.
+            pl_module: the model.
+        """
         super().on_train_end(trainer, pl_module)
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
-            candidates = self._monitor_candidates(trainer)
-            if self.save_last == "link":
-                self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+        compat.save_last_now(self, trainer)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -151,6 +172,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        """Write ``checkpoint`` to ``path`` atomically (remote paths and storage options: Lightning's own save).
+
+        Args:
+            checkpoint: what Lightning saves.
+            path: the file.
+            storage_options: passed to Lightning's save; a local save takes none.
+        """
         if "://" in str(path) or storage_options is not None:
             super().save_checkpoint(checkpoint, path, storage_options)
             return
@@ -272,11 +300,17 @@ class ResumableDataLoader(DataLoader):
         return counted()
 
     def state_dict(self) -> dict[str, Any]:
+        """``{epoch, batches}``: where in which epoch the loader is (what a mid-epoch resume skips)."""
         if self.resume_state is not None:  # loaded but not iterated yet: keep what was loaded
             return dict(self.resume_state)
         return {"epoch": self._epoch, "batches": self._position}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Skip the batches already seen in the next pass of the same epoch.
+
+        Args:
+            state_dict: what :meth:`state_dict` returned.
+        """
         self.resume_state = dict(state_dict)
         epoch = state_dict.get("epoch")
         if epoch is not None:

@@ -23,12 +23,12 @@ from qlightning.callbacks.calibration_data import _STEP, calibration_batches, co
 from qlightning.callbacks.distributed import broadcast_buffers
 from qlightning.callbacks.qat import QuantizationAwareTraining
 from qlightning.core.fidelity import PTQ_FIDELITY, FidelityConfig, apply_on_breach, compare_modules
-from qlightning.core.inputs import Inputs, RandomStates, as_inputs, capture_inputs, evaluating, example_inputs_for, resolve_targets
+from qlightning.core.inputs import Inputs, RandomStates, as_inputs, capture_inputs, detach_shallow, evaluating, example_inputs_for, resolve_targets
 from qlightning.core.session import QuantSession, set_submodule
-from qlightning.engines import BACKENDS, ENGINES, QuantEngine, QuantSpec, get_engine
+from qlightning.engines import BACKENDS, ENGINES, QuantEngine, QuantSpec, engine_class, get_engine
 from qlightning.engines.fx.qconfigs import dynamic_qconfig_mapping, quantize_dynamic_eager
 from qlightning.quantize.equalization import equalized_layers
-from qlightning.quantize.calibration import calibrate, calibrate_and_convert, detach_shallow, float_module_from, run_to_targets, spec_for_ptq
+from qlightning.quantize.calibration import calibrate, calibrate_and_convert, float_module_from, run_to_targets, spec_for_ptq
 from qlightning.quantize.ptq import apply_cle, equalization_mapping, ptq_baseline
 from qlightning.errors import ConfigError, EngineUnavailableError, QLightningError, TraceError
 
@@ -77,7 +77,9 @@ class PostTrainingQuantization(SessionCallback, Callback):
         qconfig_mapping: native mapping (FX ``QConfigMapping``); ``None`` = the backend's default
             PTQ mapping (static) or :func:`qlightning.engines.fx.qconfigs.dynamic_qconfig_mapping` (dynamic).
             :func:`qlightning.engines.fx.qconfigs.low_bit_qconfig_mapping` gives 4-bit weights.
-        prepare_custom_config, convert_custom_config, backend_config: native FX configs.
+        prepare_custom_config: native prepare custom config (FX ``PrepareCustomConfig``).
+        convert_custom_config: native convert custom config (FX ``ConvertCustomConfig``).
+        backend_config: native ``BackendConfig``; ``None`` uses the backend's own.
         example_inputs: ``{module_name: tensor | tuple | dict}`` instead of capturing them from
             ``example_input_array`` or the first calibration batch.
         equalization: FX input-weight equalization (static, fx): ``None``, ``"all"`` (every
@@ -135,9 +137,10 @@ class PostTrainingQuantization(SessionCallback, Callback):
         names = check_common_arguments(modules, backend, engine, errors)
         self.fidelity = FidelityConfig.from_value(fidelity, errors, "fidelity", defaults=PTQ_FIDELITY)
         engine_name = engine if isinstance(engine, str) else getattr(engine, "name", None)
+        kind = engine_class(engine)
         if mode not in MODES:
             errors.append(f"mode={mode!r}: unknown mode; valid choices: {list(MODES)}")
-        elif mode != "static" and engine_name not in (None, "fx"):
+        elif mode not in (kind.ptq_modes if kind is not None else ("static",)):
             errors.append(f"mode={mode!r}: dynamic and weight-only PTQ run on torch.ao (engine='fx'), got engine={engine_name!r}")
         if calibrate_on not in SOURCES:
             errors.append(f"calibrate_on={calibrate_on!r}: valid choices: {list(SOURCES)}")
@@ -163,7 +166,7 @@ class PostTrainingQuantization(SessionCallback, Callback):
                 )
             if mode in MODES and mode != "static":
                 errors.append(f"equalization: only static PTQ calibrates activations; mode={mode!r}")
-            if engine_name not in (None, "fx"):
+            if kind is None or not kind.equalizes_inputs_and_weights:
                 errors.append(f"equalization: input-weight equalization is an FX feature; engine={engine_name!r}")
         if cross_layer_equalization and mode in MODES and mode != "static":
             errors.append(f"cross_layer_equalization: meant for static PTQ (Conv/Linear pairs with ReLU); mode={mode!r}")
@@ -281,6 +284,11 @@ class PostTrainingQuantization(SessionCallback, Callback):
 
         Called by the Trainer hooks; call it yourself with ``batches`` (an iterable of batches as
         the loader of ``calibrate_on`` yields them) to quantize without a Trainer.
+
+        Args:
+            pl_module: the LightningModule whose target submodules to quantize.
+            trainer: its Trainer, whose loader of ``calibrate_on`` gives the calibration batches.
+            batches: calibration batches to use instead of the Trainer's loader.
         """
         if self.converted:
             return

@@ -3,40 +3,28 @@
 from __future__ import annotations
 
 import copy
-import io
-import os
-import shutil
-import tempfile
 import time
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
-import torch
-from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import nn
 from typing_extensions import override
 
 from qlightning.callbacks import lightning_compat as compat
 from qlightning.callbacks.base import SessionCallback, check_common_arguments
 from qlightning.callbacks.calibration_data import calibration_batches, collect_inputs
 from qlightning.quantize.calibration import run_to_targets
-from qlightning.callbacks.distributed import (
-    broadcast_buffers,
-    broadcast_object,
-    dumps_modules,
-    is_distributed,
-    loads_modules,
-    pickle_whole_for_new_processes,
-)
-from qlightning.core.inputs import RandomStates, as_inputs, attach_source, resolve_targets
+from qlightning.callbacks.distributed import RankZeroHandOver, broadcast_buffers, install_main_process_recovery, is_distributed
+from qlightning.callbacks.pruning import name_pruned_parameters, repoint_pruning
+from qlightning.core.inputs import RandomStates, as_inputs
 from qlightning.core.compile_choice import CompileDecider, phases_left
 from qlightning.core.fidelity import FidelityConfig, ModuleFidelity, apply_on_breach, compare_modules
 from qlightning.core.schedule import AUTO, AutoSchedule, Milestone, MilestoneLike, Phase, Schedule, unreachable
-from qlightning.core.session import QuantSession, has_submodule, set_submodule
-from qlightning.engines import QuantEngine, QuantSpec, check_engine_options, compile_mode
+from qlightning.core.session import QuantSession, set_submodule
+from qlightning.engines import QuantEngine, QuantSpec, check_engine_options, compile_mode, engine_class
 from qlightning.errors import ConfigError, EngineUnavailableError, IncompleteScheduleError, QLightningError
-from qlightning.quantize.lowering import CANDIDATES
+from qlightning.quantize.lowering import CANDIDATES, ENGINE_MODULE
 
 STAGES = ("train", "validate", "test", "predict")
 ON_INCOMPLETE = ("calibrate", "error")
@@ -45,7 +33,7 @@ FLOAT32_PRECISIONS = ("32-true", "32", 32, "64-true", "64", 64)
 STATE_VERSION = 1
 
 
-class QuantizationAwareTraining(SessionCallback, Callback):
+class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
     """Quantization-aware training of chosen submodules of a LightningModule.
 
     The named submodules are fused, traced and prepared for QAT when fit starts: after
@@ -189,12 +177,12 @@ class QuantizationAwareTraining(SessionCallback, Callback):
             errors.append("example_inputs: expected a mapping {module_name: tensor | tuple | dict}")
         if not isinstance(ptq_baseline, (bool, int)) or (not isinstance(ptq_baseline, bool) and ptq_baseline < 1):
             errors.append(f"ptq_baseline={ptq_baseline!r}: True, False or a positive number of calibration batches")
-        if lowering not in ("fx", "auto", *CANDIDATES):
-            errors.append(f"lowering={lowering!r}: valid choices: {['fx', 'auto', *CANDIDATES]}")
+        if lowering not in (ENGINE_MODULE, "auto", *CANDIDATES):
+            errors.append(f"lowering={lowering!r}: valid choices: {[ENGINE_MODULE, 'auto', *CANDIDATES]}")
         bad_candidates = [c for c in (lowering_candidates or ()) if c not in CANDIDATES]
         if bad_candidates:
             errors.append(f"lowering_candidates: unknown {bad_candidates}; valid: {list(CANDIDATES)}")
-        if lowering != "fx" and not keep_fake_quant:
+        if lowering != ENGINE_MODULE and not keep_fake_quant:
             errors.append(f"lowering={lowering!r}: needs keep_fake_quant=True (the fake-quant model is the parity reference)")
         if not isinstance(lowering_batch_size, int) or lowering_batch_size < 1:
             errors.append(f"lowering_batch_size={lowering_batch_size!r}: a positive batch size")
@@ -234,7 +222,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
                 pass  # raised again in setup, where the engine is needed
         if errors:
             raise ConfigError(errors)
-        _install_main_process_recovery()  # ddp_spawn/ddp_fork: see the function
+        install_main_process_recovery()  # ddp_spawn/ddp_fork: see the function
         self.example_inputs = self.session.example_inputs
         self.observe_stages = tuple(observe_stages)
         self.convert_on_fit_end = convert_on_fit_end
@@ -270,7 +258,7 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         if self.prepared:
             return
         start_method = compat.spawn_start_method(trainer)
-        if stage == "fit" and start_method is not None and self.engine.name != "fx":
+        if stage == "fit" and start_method is not None and not self.engine.spawn_hand_over:
             names = {"spawn": "'ddp_spawn'", "fork": "'ddp_fork' / 'ddp_notebook'"}.get(start_method, start_method)
             raise ConfigError(
                 f"strategy={names} (processes started with {start_method!r}) with engine={self.engine.name!r}: "
@@ -288,9 +276,9 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         def configure_model_then_prepare() -> None:
             pl_module.__dict__.pop("configure_model", None)  # back to the class's (or another wrapper's) method
             original()
-            pruned = self._name_pruned_parameters(trainer, pl_module)
+            pruned = name_pruned_parameters(trainer, pl_module, self.module_names)
             self.prepare(pl_module, trainer)
-            self._repoint_pruning(pl_module, pruned)
+            repoint_pruning(pl_module, pruned, self.engine, self.targets)
 
         pl_module.configure_model = configure_model_then_prepare  # type: ignore[method-assign]
 
@@ -422,6 +410,10 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         """Prepare every target submodule of ``pl_module`` in place (idempotent).
 
         Called by the Trainer; call it yourself to rebuild a fake-quant model without a Trainer.
+
+        Args:
+            pl_module: the LightningModule whose target submodules to prepare.
+            trainer: its Trainer, if any: one of its training batches gives example inputs when nothing else does.
         """
         if self.prepared:
             return
@@ -461,70 +453,6 @@ class QuantizationAwareTraining(SessionCallback, Callback):
             left = None
         self._compiler.decide(left, phases_left(self.schedule, trainer.global_step, trainer.current_epoch))
         self._settle_compile(pl_module)
-
-    # ------------------------------------------------------------------ ModelPruning
-
-    def _name_pruned_parameters(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> list[tuple[Any, ...]]:
-        """Before prepare: the ``ModelPruning`` parameters inside the quantized modules, by name.
-
-        ``ModelPruning.setup`` collects its ``(module, name)`` pairs before ``configure_model``, from
-        the float modules that prepare then replaces: left alone it would prune modules that are no
-        longer in the model (silently: the trained and converted model is not sparse).
-        """
-        callbacks = [c for c in trainer.callbacks if isinstance(c, ModelPruning)]
-        if not callbacks:
-            return []
-        targets = resolve_targets(pl_module, self.module_names, key="modules")
-        names = {id(m): n for n, m in pl_module.named_modules()}
-
-        def inside(name: str) -> bool:
-            return any(name == t or name.startswith(t + ".") for t in targets)
-
-        found = []
-        for callback in callbacks:
-            pairs = compat.pruning_pairs(callback)
-            default = compat.default_pruning_pairs(callback, pl_module)
-            is_default = [(id(m), p) for m, p in default] == [(id(m), p) for m, p in pairs]
-            moved = [(i, names[id(m)], p) for i, (m, p) in enumerate(pairs) if id(m) in names and inside(names[id(m)])]
-            if moved:
-                found.append((callback, moved, is_default))
-        return found
-
-    def _repoint_pruning(self, pl_module: "pl.LightningModule", found: list[tuple[Any, ...]]) -> None:
-        """After prepare: point ``ModelPruning`` at the prepared modules of the same names.
-
-        A fused conv keeps the conv's name, so its weight is pruned (and the mask goes through
-        fake-quant and into the int8 weight); a BatchNorm folded into its conv has no module of its
-        own any more: dropped from ``ModelPruning``'s default selection, an error when listed explicitly.
-        """
-        errors: list[str] = []
-        for callback, moved, is_default in found:
-            if self.engine.name != "fx":
-                errors.append(
-                    f"ModelPruning: prunes {[f'{n}.{p}' for _, n, p in moved][:4]}... inside the quantized modules "
-                    f"{self.targets}; only the fx engine keeps their names when preparing (this run: {self.engine.name!r})"
-                )
-                continue
-            pairs = compat.pruning_pairs(callback)
-            dropped: dict[int, str] = {}
-            for i, name, param in moved:
-                module = pl_module.get_submodule(name) if has_submodule(pl_module, name) else None
-                if module is not None and isinstance(module._parameters.get(param), nn.Parameter):
-                    pairs[i] = (module, param)
-                else:
-                    dropped[i] = f"{name}.{param}"
-            if dropped and not is_default:
-                errors.append(
-                    f"ModelPruning(parameters_to_prune=...): {sorted(dropped.values())} are not parameters of the "
-                    f"model QAT prepares (a BatchNorm folded into its conv, or a module fused away); prune the "
-                    f"conv/linear weights only"
-                )
-                continue
-            if dropped:
-                rank_zero_info(f"[qlightning] ModelPruning: not pruning {sorted(dropped.values())} (folded by QAT fusion)")
-            compat.set_pruning_pairs(callback, [pair for i, pair in enumerate(pairs) if i not in dropped])
-        if errors:
-            raise ConfigError(errors)
 
     # ------------------------------------------------------------------ schedule
 
@@ -740,7 +668,11 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         self._conclude_gate(breaches, "the fake-quant model that trained", fallback="keeps the fake-quant module")
 
     def convert(self, pl_module: "pl.LightningModule") -> None:
-        """Convert every prepared submodule to int8 for the backend, in place."""
+        """Convert every prepared submodule to int8 for the backend, in place.
+
+        Args:
+            pl_module: the LightningModule whose prepared submodules to convert.
+        """
         self.engine  # resolved before the session uses it
         self.session.convert(
             pl_module, self.lowering, self.lowering_candidates, self.lowering_batch_size, self.lowering_min_sqnr_db,
@@ -755,193 +687,13 @@ class QuantizationAwareTraining(SessionCallback, Callback):
             + (f"; not eligible: {choice.errors}" if choice.errors else "") + ")"
         )
 
-    # ------------------------------------------------------------------ conversion on rank 0 only
-
-    def _convert_on_rank_zero(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Under DDP: rank 0 converts (and, for ``lowering != "fx"``, times the runtimes and chooses);
-        the other ranks receive its int8 modules and choice through the strategy's ``broadcast``.
-
-        The buffers were just broadcast from rank 0, so every rank holds the model rank 0 converts.
-        A module that does not pickle (e.g. PT2E's exported graphs) is converted on each rank
-        instead, and rank 0's int8 state_dict is then loaded into it strictly.
-        """
-        message: Optional[dict[str, Any]] = None
-        if trainer.is_global_zero:
-            try:
-                self.convert(pl_module)
-                self._gate(pl_module)
-                message = self._conversion_message(pl_module)
-            except BaseException as exc:
-                # tell the other ranks (waiting in the broadcast below) before raising here
-                broadcast_object(trainer, {"error": f"{type(exc).__name__}: {exc}"})
-                raise
-        message = broadcast_object(trainer, message)
-        if trainer.is_global_zero:
-            return
-        if "error" in message:
-            raise QLightningError(f"QuantizationAwareTraining: rank 0 failed to convert to int8: {message['error']}")
-        self._receive_conversion(pl_module, message)
-
-    def _conversion_message(self, pl_module: "pl.LightningModule") -> dict[str, Any]:
-        message: dict[str, Any] = {"int8": {}, "int8_state": {}, "lowered": {}, "lowering_choices": self.lowering_choices}
-        for name in self.targets:
-            int8 = self.int8_modules[name]
-            try:
-                message["int8"][name] = dumps_modules(int8)
-            except Exception:  # converted on every rank, then loaded with rank 0's values
-                buffer = io.BytesIO()
-                torch.save(int8.state_dict(), buffer)
-                message["int8_state"][name] = buffer.getvalue()
-            lowered = pl_module.get_submodule(name)
-            if lowered is not int8:
-                try:
-                    message["lowered"][name] = dumps_modules(lowered)
-                except Exception:
-                    message["lowered"][name] = None  # rebuilt from the choice on each rank
-        return message
-
-    def _receive_conversion(self, pl_module: "pl.LightningModule", message: dict[str, Any]) -> None:
-        for name in self.targets:
-            prepared = self.session.detach_fake_quant(pl_module, name)
-            if name in message["int8"]:
-                int8 = loads_modules(message["int8"][name])
-            else:
-                int8 = self.engine.convert(prepared, self.spec)
-                state = torch.load(io.BytesIO(message["int8_state"][name]), weights_only=False)
-                int8.load_state_dict(state, strict=True)
-            self.int8_modules[name] = int8
-            module = int8
-            set_submodule(pl_module, name, int8)
-            choice = message["lowering_choices"].get(name)
-            if choice is not None:
-                self.lowering_choices[name] = choice
-                module = self._lowered_from(pl_module, name, int8, choice["name"], message["lowered"].get(name))
-            set_submodule(pl_module, name, module)
-        self.converted = True
-
-    def _lowered_from(
-        self, pl_module: "pl.LightningModule", name: str, int8: nn.Module, runtime: str, data: Optional[bytes]
-    ) -> nn.Module:
-        """The runtime rank 0 chose for ``name``: its pickled module, or built again (not timed) here."""
-        if data is not None and runtime != "fx":
-            return attach_source(loads_modules(data), int8)
-        return self.session.rebuild_lowered(name, int8, runtime, self.lowering_batch_size)
-
-    # ------------------------------------------------------------------ spawn/fork strategies
-
-    def _send_to_main_process(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Rank 0 of ``ddp_spawn``/``ddp_fork``: hand the QAT result to Lightning's launcher for the main process.
-
-        Lightning returns rank 0's final ``state_dict`` to the main process and loads it with
-        ``strict=False`` into a model that was never prepared nor converted (this is a copy of the
-        callback; the main process has its own). The launcher's ``get_extra_results`` is the
-        documented channel for extra results: this process's launcher (and only it) gets a wrapper
-        that adds ours; the main process's side is :func:`_install_main_process_recovery`.
-        """
-        # A file, like Lightning's own weights: the launcher joins the processes before it reads its
-        # queue, so a payload larger than a pipe's buffer (64 KiB) would block rank 0 forever (measured).
-        path = os.path.join(tempfile.mkdtemp(prefix="qlightning-"), "qat.pkl")
-        with open(path, "wb") as f:
-            f.write(self._main_process_payload(pl_module))
-        compat.add_extra_result(trainer, _EXTRA_KEY, self.state_key, path)
-
-    def _main_process_payload(self, pl_module: "pl.LightningModule") -> bytes:
-        if self.converted:
-            fake_quant = {name: m.state_dict() for name, m in self.fake_quant_modules.items()}
-        else:
-            fake_quant = {name: pl_module.get_submodule(name).state_dict() for name in self.targets}
-        lowered: dict[str, Optional[bytes]] = {}
-        for name in self.lowering_choices:
-            module = pl_module.get_submodule(name)
-            try:
-                lowered[name] = None if module is self.int8_modules.get(name) else dumps_modules(module)
-            except Exception:
-                lowered[name] = None
-        ptq: dict[str, bytes] = {}
-        for name, module in self.ptq_modules.items():
-            try:
-                ptq[name] = dumps_modules(module)
-            except Exception as exc:
-                rank_zero_warn(f"[qlightning] the PTQ baseline of {name!r} does not reach the main process: {exc}")
-        return dumps_modules(
-            {
-                "targets": list(self.targets),
-                "converted": self.converted,
-                "phase": None if self.phase is None else vars(self.phase).copy(),
-                "provenance": self.provenance,
-                "float_snapshot": self.float_snapshot,
-                "float_snapshot_step": self.session.float_snapshot_step,
-                "inputs": self.inputs,
-                "fake_quant_state": fake_quant,
-                "keep_fake_quant": self.keep_fake_quant and self.converted,
-                "int8": {name: self.int8_modules[name] for name in self.targets} if self.converted else {},
-                "lowered": lowered,
-                "lowering_choices": self.lowering_choices,
-                "ptq_modules": ptq,
-                "state_keys": list(pl_module.state_dict().keys()),
-            }
-        )
-
-    def _restore_in_main_process(self, pl_module: "pl.LightningModule", payload: bytes) -> list[str]:
-        """The main process: rebuild what rank 0 ended with. Returns the state_dict keys rank 0 had.
-
-        The fake-quant model is prepared again here from this process's float submodule (with rank 0's
-        example inputs) and loaded strictly with rank 0's state: PT2E's exported modules do not pickle,
-        and a pickled FX one would lose the engine's training paths (instance methods; see
-        engines/fast_fq.py). The int8 modules are rank 0's own, unpickled.
-        """
-        data = loads_modules(payload)
-        self.targets = data["targets"]
-        self.inputs = data["inputs"]
-        self.phase = Phase(**data["phase"]) if data["phase"] else None
-        self.provenance = data["provenance"]
-        self.float_snapshot = data["float_snapshot"]
-        self.session.float_snapshot_step = data.get("float_snapshot_step")
-        for name in self.targets:
-            try:
-                float_module = pl_module.get_submodule(name)
-            except AttributeError as exc:
-                raise QLightningError(
-                    f"QuantizationAwareTraining: {name!r} is not a submodule of the main process's model (built in "
-                    "configure_model?), so rank 0's QAT result cannot be put back there; use strategy='ddp'"
-                ) from exc
-            if self.ptq_batches:
-                self.session.float_refs[name] = float_module
-            prepared = self.engine.prepare(copy.deepcopy(float_module), self.inputs[name], self.spec)
-            prepared.load_state_dict(data["fake_quant_state"][name], strict=True)
-            if self.phase is not None:
-                self.engine.set_phase(prepared, self.phase)
-            self.engine.set_observers(prepared, False)
-            if not data["converted"]:
-                set_submodule(pl_module, name, prepared)
-                continue
-            if data["keep_fake_quant"]:
-                self.fake_quant_modules[name] = prepared.eval()
-            int8 = data["int8"][name]
-            self.int8_modules[name] = int8
-            module = int8
-            set_submodule(pl_module, name, int8)
-            if name in data["lowering_choices"]:
-                self.lowering_choices[name] = data["lowering_choices"][name]
-                module = self._lowered_from(pl_module, name, int8, self.lowering_choices[name]["name"], data["lowered"].get(name))
-            set_submodule(pl_module, name, module)
-        self.ptq_modules = {name: loads_modules(b) for name, b in data["ptq_modules"].items()}
-        self.prepared = True
-        self.converted = data["converted"]
-        # the same Trainer may validate/test/predict next, spawning processes that receive this model
-        for name in self.targets:
-            for module in {id(m): m for m in (pl_module.get_submodule(name), self.int8_modules.get(name)) if m is not None}.values():
-                if isinstance(module, torch.fx.GraphModule):
-                    pickle_whole_for_new_processes(module)
-        return data["state_keys"]
-
     def __getstate__(self) -> dict[str, Any]:
         # Pickled copies (the processes a spawn strategy starts for a validate/test/predict after a
         # spawn fit) carry the model's state but not the fake-quant copies kept for reports and
         # lowering: FX-prepared modules do not pickle, and those processes never use them.
         state = self.__dict__.copy()
-        engine = self._engine_arg if isinstance(self._engine_arg, str) else getattr(self._engine_arg, "name", None)
-        if engine == "fx":
+        engine = engine_class(self._engine_arg)
+        if engine is not None and engine.pickles_without_prepared:
             session = copy.copy(self.session)
             session.fake_quant_modules = {}
             state["session"] = session
@@ -981,50 +733,3 @@ class QuantizationAwareTraining(SessionCallback, Callback):
         self.provenance = self.provenance or dict(state_dict.get("provenance") or {})
         self.float_snapshot = state_dict.get("float_snapshot")
         self.session.float_snapshot_step = state_dict.get("float_snapshot_step")
-
-
-#: key of the QAT results in the extra results Lightning's multiprocessing launcher returns
-_EXTRA_KEY = "qlightning_qat"
-
-
-def _install_main_process_recovery() -> None:
-    """Let ``ddp_spawn``/``ddp_fork``/``ddp_notebook`` give the main process the converted model.
-
-    After the processes join, Lightning loads rank 0's final ``state_dict`` into the main process's
-    model, which was never prepared nor converted: the int8 weights would not fit it, or be skipped
-    silently. Before that, each ``QuantizationAwareTraining`` of the trainer rebuilds rank 0's modules
-    from what rank 0 sent (see ``_send_to_main_process``), so the state_dict fits exactly; after it,
-    the keys are checked. See :func:`qlightning.callbacks.lightning_compat.install_main_process_recovery`.
-    """
-    compat.install_main_process_recovery(_rebuild_rank_zero_modules, _check_main_process_keys)
-
-
-def _rebuild_rank_zero_modules(worker_output: Any, trainer: "pl.Trainer") -> dict[str, list[str]]:
-    callbacks = [c for c in trainer.callbacks if isinstance(c, QuantizationAwareTraining)]
-    sent = (worker_output.extra or {}).get(_EXTRA_KEY, {})
-    expected: dict[str, list[str]] = {}
-    if worker_output.weights_path is not None:  # a fit: rank 0's weights come back
-        for callback in callbacks:
-            if callback.state_key not in sent:
-                raise QLightningError(
-                    "QuantizationAwareTraining: rank 0 did not send its QAT state back to the main process "
-                    "(the fit did not reach on_fit_end), so the main process's model cannot receive its "
-                    "weights; resume from the last checkpoint with strategy='ddp'"
-                )
-            path = sent[callback.state_key]
-            with open(path, "rb") as f:
-                payload = f.read()
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-            expected[callback.state_key] = callback._restore_in_main_process(trainer.lightning_module, payload)
-    return expected
-
-
-def _check_main_process_keys(trainer: "pl.Trainer", expected: dict[str, list[str]]) -> None:
-    for keys in expected.values():
-        held = list(trainer.lightning_module.state_dict().keys())
-        if set(held) != set(keys):
-            raise QLightningError(
-                "QuantizationAwareTraining: the main process's model does not have rank 0's structure after "
-                f"the spawn strategy returned: missing {sorted(set(keys) - set(held))[:8]}, "
-                f"unexpected {sorted(set(held) - set(keys))[:8]}"
-            )

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from qlightning.core.quiet import quiet
 
 FORMATS = ("torchscript", "onnx", "pt2")
 
@@ -38,7 +39,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run_config(checkpoint: Path, state: dict[str, Any], config: Optional[str]) -> Any:
-    """The run config: ``--config``, else the checkpoint's provenance, else ``<run dir>/config.yaml``."""
+    """The run config: ``--config``, else the checkpoint's provenance, else ``<run dir>/config.yaml``.
+
+    Args:
+        checkpoint: the checkpoint's path.
+        state: the checkpoint's QAT state.
+        config: ``--config``, or ``None``.
+    """
     from omegaconf import OmegaConf
 
     from qlightning.errors import ConfigError
@@ -58,11 +65,21 @@ def run_config(checkpoint: Path, state: dict[str, Any], config: Optional[str]) -
 
 
 def default_out(checkpoint: Path) -> Path:
+    """``<run dir>/export`` of the run the checkpoint belongs to.
+
+    Args:
+        checkpoint: the checkpoint's path.
+    """
     run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
     return run_dir / "export"
 
 
 def main(argv: Sequence[str]) -> int:
+    """``qlightning export``: restore a checkpoint, write the int8 exports and check them; returns the exit code.
+
+    Args:
+        argv: the command's arguments.
+    """
     args = _parser().parse_args(list(argv))
     import torch
     from omegaconf import OmegaConf
@@ -112,8 +129,7 @@ def main(argv: Sequence[str]) -> int:
         callback = build_callback(cfg)
         model = instantiate_checked(cfg.model, "model")
         datamodule = instantiate_checked(cfg.data, "data")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        with quiet(messages=(".*does not have many workers.*",)):
             restore(model, checkpoint, convert=True, callback=callback)
             out = Path(args.out) if args.out else default_out(checkpoint)
             base = {

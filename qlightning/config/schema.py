@@ -15,7 +15,7 @@ from qlightning.callbacks.qat import ON_INCOMPLETE, STAGES
 from qlightning.config.export_schema import ExportConf, ParityConf
 from qlightning.core.fidelity import ON_BREACH
 from qlightning.engines import BACKENDS, ENGINES
-from qlightning.quantize.lowering import CANDIDATES
+from qlightning.quantize.lowering import CANDIDATES, ENGINE_MODULE
 
 SCHEMA_VERSION = 1
 
@@ -27,10 +27,12 @@ def _choices(name: str, values: Any) -> Any:
 
 EngineName = _choices("EngineName", ENGINES)
 Backend = _choices("Backend", BACKENDS)
-Lowering = _choices("Lowering", ("fx", "auto", *(c for c in CANDIDATES if c != "fx")))
+Lowering = _choices("Lowering", (ENGINE_MODULE, "auto", *(c for c in CANDIDATES if c != ENGINE_MODULE)))
 
 
 class Method(str, Enum):
+    """``quant.method``: quantization-aware training or post-training quantization."""
+
     qat = "qat"
     ptq = "ptq"
 
@@ -40,6 +42,8 @@ CalibrationSource = _choices("CalibrationSource", SOURCES)
 
 
 class LoggerName(str, Enum):
+    """A Lightning logger ``loggers`` may list."""
+
     csv = "csv"
     tensorboard = "tensorboard"
 
@@ -218,7 +222,12 @@ class TrainConfig:
 
 
 def section(cfg: Any, key: str) -> Any:
-    """``cfg.<key>`` merged over the schema defaults (works for a plain dict from a checkpoint too)."""
+    """``cfg.<key>`` merged over the schema defaults (works for a plain dict from a checkpoint too).
+
+    Args:
+        cfg: a run config (OmegaConf node or plain dict).
+        key: the section's name (``export``, ``parity``, ``report``).
+    """
     from omegaconf import OmegaConf
 
     schema = {"export": ExportConf, "parity": ParityConf, "report": ReportConf}[key]
@@ -231,5 +240,9 @@ def section(cfg: Any, key: str) -> Any:
 
 
 def sections(cfg: Any) -> dict[str, Any]:
-    """The ``export``, ``parity`` and ``report`` sections of a run config, as plain dicts over the defaults."""
+    """The ``export``, ``parity`` and ``report`` sections of a run config, as plain dicts over the defaults.
+
+    Args:
+        cfg: a run config (OmegaConf node or plain dict).
+    """
     return {key: section(cfg, key) for key in ("export", "parity", "report")}

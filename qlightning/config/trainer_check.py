@@ -11,7 +11,7 @@ from __future__ import annotations
 import typing
 from typing import Any, Iterable, Mapping
 
-from qlightning.config.qconfig import close
+from qlightning.engines.names import close
 
 
 def precision_choices() -> list[Any]:
@@ -25,12 +25,14 @@ def precision_choices() -> list[Any]:
 
 
 def accelerator_choices() -> list[str]:
+    """The accelerator names Lightning's registry knows, plus ``auto`` and ``gpu``."""
     from lightning.pytorch.accelerators import AcceleratorRegistry
 
     return sorted(AcceleratorRegistry.available_accelerators()) + ["auto", "gpu"]
 
 
 def strategy_choices() -> list[str]:
+    """``auto`` and the strategy names Lightning's registry knows."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     return ["auto"] + sorted(StrategyRegistry.available_strategies())
@@ -52,7 +54,12 @@ def _choice(key: str, value: Any, choices: Iterable[Any], errors: list[str]) -> 
 
 
 def check_trainer(trainer: Mapping[str, Any], prefix: str = "trainer") -> list[str]:
-    """Every bad Trainer value of a plain ``trainer`` section, each with the key and the valid choices."""
+    """Every bad Trainer value of a plain ``trainer`` section, each with the key and the valid choices.
+
+    Args:
+        trainer: the plain ``trainer`` section.
+        prefix: its key path, for messages.
+    """
     errors: list[str] = []
     if not isinstance(trainer, Mapping):
         return [f"{prefix}: expected a mapping of Trainer arguments, got {trainer!r}"]

@@ -11,13 +11,21 @@ from qlightning.config.build import build_callback, check_targets, instantiate_c
 from qlightning.config.checkpoint_check import check_checkpoint
 from qlightning.config.dry_run import dry_run_problems, first_batch
 from qlightning.config.export_schema import check_export_config
-from qlightning.config.qconfig import check_against_model
 from qlightning.config.trainer_check import check_trainer
+from qlightning.engines import engine_class
+from qlightning.engines.fx.qconfig_builder import check_against_model
 from qlightning.errors import ConfigError
+
+#: the config keys of the sections :func:`check_against_model` names
+QUANT_KEYS = {"qconfig_mapping": "quant.qconfig_mapping", "prepare": "quant.prepare"}
 
 
 def describe(exc: BaseException) -> str:
-    """``full.key: message`` from an OmegaConf / Hydra error, without the object dump."""
+    """``full.key: message`` from an OmegaConf / Hydra error, without the object dump.
+
+    Args:
+        exc: the error OmegaConf or Hydra raised.
+    """
     cause = exc.__cause__ or exc
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     full_key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), "")
@@ -26,7 +34,12 @@ def describe(exc: BaseException) -> str:
 
 
 def interpolation_errors(node: Any, prefix: str = "") -> list[str]:
-    """Every interpolation or resolver that fails (missing key, unknown resolver, bad argument), with its key path."""
+    """Every interpolation or resolver that fails (missing key, unknown resolver, bad argument), with its key path.
+
+    Args:
+        node: a config tree.
+        prefix: the key path of ``node`` in the whole config.
+    """
     errors: list[str] = []
     if isinstance(node, DictConfig):
         items = [(k, f"{prefix}.{k}" if prefix else str(k)) for k in node.keys()]
@@ -53,7 +66,11 @@ def _raw(node: Any, key: Any) -> Any:
 
 
 def module_list_errors(cfg: Any) -> list[str]:
-    """``quant.modules`` must be a flat list of names (a nested list used to be dropped silently)."""
+    """``quant.modules`` must be a flat list of names (a nested list used to be dropped silently).
+
+    Args:
+        cfg: the composed run config.
+    """
     try:
         quant = cfg.get("quant") if isinstance(cfg, DictConfig) else None
         modules = quant.get("modules") if isinstance(quant, DictConfig) else None
@@ -78,6 +95,9 @@ def static_problems(cfg: DictConfig) -> list[str]:
     """Checks that need neither the model nor the callback: targets, Trainer values, interpolations, module list.
 
     They run on a typed or an untyped config, so they are reported together with schema errors.
+
+    Args:
+        cfg: the composed run config.
     """
     problems = check_targets(cfg) + interpolation_errors(cfg) + module_list_errors(cfg)
     trainer = cfg.get("trainer")
@@ -92,7 +112,12 @@ def static_problems(cfg: DictConfig) -> list[str]:
 
 
 def export_format_problems(cfg: DictConfig, callback: Any) -> list[str]:
-    """Formats of ``export.formats`` the engine cannot build for this quantization, known before training."""
+    """Formats of ``export.formats`` the engine cannot build for this quantization, known before training.
+
+    Args:
+        cfg: the composed run config (its ``export.formats``).
+        callback: the quantization callback built from it.
+    """
     try:
         limits = callback.export_limits()
     except Exception:  # an engine that cannot load here is reported when the run needs it
@@ -107,9 +132,14 @@ def export_format_problems(cfg: DictConfig, callback: Any) -> list[str]:
 
 
 def runs_dry(cfg: DictConfig, dry_run: Optional[bool]) -> bool:
-    """Whether :func:`validate_config` dry-runs: ``dry_run``, or for ``None`` where it costs seconds (fx)."""
-    engine = cfg.quant.get("engine")
-    return bool(dry_run) or (dry_run is None and str(getattr(engine, "value", engine)) == "fx")
+    """Whether :func:`validate_config` dry-runs: ``dry_run``, or for ``None`` where it costs seconds (fx).
+
+    Args:
+        cfg: the composed run config (its ``quant.engine``).
+        dry_run: ``True`` / ``False`` as asked, ``None`` for the engine's default.
+    """
+    engine = engine_class(str(getattr(cfg.quant.get("engine"), "value", cfg.quant.get("engine"))))
+    return bool(dry_run) or (dry_run is None and engine is not None and engine.dry_run_by_default)
 
 
 def validate_config(cfg: DictConfig, dry_run: Optional[bool] = True) -> tuple[list[str], Any, Any]:
@@ -154,7 +184,7 @@ def validate_config(cfg: DictConfig, dry_run: Optional[bool] = True) -> tuple[li
     if model is not None:
         try:
             targets = resolve_targets(model, list(cfg.quant.modules), key="quant.modules")
-            problems.extend(check_against_model({t: model.get_submodule(t) for t in targets}, cfg.quant))
+            problems.extend(check_against_model({t: model.get_submodule(t) for t in targets}, cfg.quant, QUANT_KEYS))
         except ConfigError as exc:
             problems.extend(exc.problems)
     if model is not None and callback is not None and not problems and runs_dry(cfg, dry_run):

@@ -37,7 +37,11 @@ class Inputs:
 
 
 def as_inputs(value: Any) -> Inputs:
-    """``Inputs`` from what a user passes: a tensor, a tuple of args, a dict of keyword inputs, or ``Inputs``."""
+    """``Inputs`` from what a user passes: a tensor, a tuple of args, a dict of keyword inputs, or ``Inputs``.
+
+    Args:
+        value: a tensor, a tuple or list of positional inputs, a dict of keyword inputs, or ``Inputs``.
+    """
     if isinstance(value, Inputs):
         return value
     if isinstance(value, torch.Tensor):
@@ -48,12 +52,21 @@ def as_inputs(value: Any) -> Inputs:
 
 
 def source_of(module: nn.Module) -> nn.Module:
-    """The engine's converted module behind a lowered runtime wrapper (the module itself otherwise)."""
+    """The engine's converted module behind a lowered runtime wrapper (the module itself otherwise).
+
+    Args:
+        module: a submodule as it runs now (a lowering wrapper or the engine's module).
+    """
     return module.__dict__.get("_qlightning_source", module)
 
 
 def attach_source(wrapper: nn.Module, source: nn.Module) -> nn.Module:
-    """Remember ``source`` behind ``wrapper`` (not as a child: the wrapper's state_dict holds only what it runs)."""
+    """Remember ``source`` behind ``wrapper`` (not as a child: the wrapper's state_dict holds only what it runs).
+
+    Args:
+        wrapper: the lowered runtime's module.
+        source: the engine's converted module it was built from.
+    """
     wrapper.__dict__["_qlightning_source"] = source
     return wrapper
 
@@ -83,7 +96,12 @@ def positional_args(module: nn.Module, inputs: Inputs) -> tuple[Any, ...]:
 
 
 def tile(value: Any, batch: int) -> Any:
-    """Repeat every tensor of a (nested) value along dim 0 to exactly ``batch`` rows."""
+    """Repeat every tensor of a (nested) value along dim 0 to exactly ``batch`` rows.
+
+    Args:
+        value: a tensor or a (nested) tuple, list or dict of them.
+        batch: the rows every tensor gets.
+    """
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         reps = -(-batch // value.shape[0])
         return value.repeat(reps, *([1] * (value.dim() - 1)))[:batch]
@@ -95,12 +113,22 @@ def tile(value: Any, batch: int) -> Any:
 
 
 def tile_inputs(inputs: Inputs, batch: int) -> Inputs:
-    """``inputs`` with every tensor tiled to ``batch`` rows."""
+    """``inputs`` with every tensor tiled to ``batch`` rows.
+
+    Args:
+        inputs: positional and keyword inputs of one call.
+        batch: the rows every tensor gets.
+    """
     return Inputs(tile(tuple(inputs.args), batch), tile(dict(inputs.kwargs), batch))
 
 
 def slice_rows(inputs: Inputs, rows: int) -> Inputs:
-    """``inputs`` with every tensor cut to its first ``rows`` rows."""
+    """``inputs`` with every tensor cut to its first ``rows`` rows.
+
+    Args:
+        inputs: positional and keyword inputs of one call.
+        rows: how many rows to keep.
+    """
 
     def cut(v: Any) -> Any:
         return v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
@@ -109,13 +137,21 @@ def slice_rows(inputs: Inputs, rows: int) -> Inputs:
 
 
 def flat_tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors of a (nested) output, in pytree order; quantized tensors are dequantized."""
+    """The tensors of a (nested) output, in pytree order; quantized tensors are dequantized.
+
+    Args:
+        value: a module's output (a tensor, or a nested structure of them).
+    """
     leaves = torch.utils._pytree.tree_leaves(value)
     return [t.dequantize() if t.is_quantized else t for t in leaves if isinstance(t, torch.Tensor)]
 
 
 def first_tensor(value: Any) -> torch.Tensor:
-    """The first tensor of a (nested) output."""
+    """The first tensor of a (nested) output.
+
+    Args:
+        value: a module's output (a tensor, or a nested structure of them).
+    """
     tensors = flat_tensors(value)
     if not tensors:
         raise TypeError(f"the module returned no tensor ({type(value).__name__})")
@@ -136,6 +172,11 @@ def resolve_targets(root: nn.Module, names: Sequence[str], key: str = "modules")
     A pattern's matches that sit inside another match are dropped (the outer one is quantized).
     Raises one :class:`ConfigError` listing every name that matched nothing, with the closest
     real names and the top-level children as choices.
+
+    Args:
+        root: the model.
+        names: submodule names or glob patterns.
+        key: the argument (or config key) the names came from, for messages.
     """
     available = [n for n, _ in root.named_modules() if n]
     resolved: list[str] = []
@@ -172,6 +213,11 @@ class RandomStates:
 
 
 def detach(value: Any) -> Any:
+    """Every tensor of a (nested) value detached and copied, so later in-place changes do not reach it.
+
+    Args:
+        value: a tensor, or a (nested) tuple, list or dict of them; other values are returned as they are.
+    """
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, (list, tuple)):
@@ -181,41 +227,93 @@ def detach(value: Any) -> Any:
     return value
 
 
+def detach_shallow(value: Any) -> Any:
+    """Every tensor of a (nested) value detached from autograd, not copied.
+
+    Args:
+        value: a tensor, or a (nested) tuple, list or dict of them; other values are returned as they are.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (list, tuple)):
+        return type(value)(detach_shallow(v) for v in value)
+    if isinstance(value, dict):
+        return {k: detach_shallow(v) for k, v in value.items()}
+    return value
+
+
+@contextlib.contextmanager
+def input_hooks(
+    modules: Mapping[str, nn.Module],
+    on_input: Optional[Callable[[str, Inputs], None]] = None,
+    on_output: Optional[Callable[[str], None]] = None,
+) -> Iterator[None]:
+    """While the block runs, ``on_input(name, inputs)`` before every forward of each module and
+    ``on_output(name)`` after it; the hooks are removed when the block ends (or raises).
+
+    The one forward-hook input capturer: :func:`capture_inputs`, calibration, the report and the
+    parity gate each decide what to keep (first call or every call, copied or not) and when to stop
+    (an exception raised from a callback ends the forward early and leaves the block).
+
+    Args:
+        modules: ``{name: module}`` to watch.
+        on_input: gets the name and the call's positional and keyword inputs as given (not copied).
+        on_output: gets the name once the module's forward returned.
+    """
+    handles = []
+    try:
+        for name, module in modules.items():
+            if on_input is not None:
+                def pre(m: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+                    on_input(name, Inputs(tuple(args), dict(kwargs)))  # type: ignore[misc]
+
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            if on_output is not None:
+                def post(m: nn.Module, args: tuple, kwargs: dict, output: Any, name: str = name) -> None:
+                    on_output(name)  # type: ignore[misc]
+
+                handles.append(module.register_forward_hook(post, with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def capture_inputs(root: nn.Module, targets: Iterable[str], run: Callable[[], Any]) -> dict[str, Inputs]:
     """Call ``run()`` (a forward of ``root``) and record the first (args, kwargs) of each target.
 
     The forward is cut short as soon as all targets were seen. Modules run in eval mode under
     ``no_grad`` and the random states are restored, so nothing about the model or the run changes.
+
+    Args:
+        root: the model ``run`` calls.
+        targets: names of submodules of ``root``.
+        run: one forward of ``root`` (a call, a step).
     """
     targets = list(targets)
     captured: dict[str, Inputs] = {}
-    handles = []
 
-    def make_hook(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if name not in captured:
-                captured[name] = Inputs(detach(tuple(args)), detach(dict(kwargs)))
-            if len(captured) == len(targets):
-                raise _AllCaptured
+    def seen(name: str, inputs: Inputs) -> None:
+        if name not in captured:
+            captured[name] = Inputs(detach(inputs.args), detach(inputs.kwargs))
+        if len(captured) == len(targets):
+            raise _AllCaptured
 
-        return hook
-
-    for name in targets:
-        handles.append(root.get_submodule(name).register_forward_pre_hook(make_hook(name), with_kwargs=True))
     try:
-        with RandomStates(), evaluating(root):
+        with input_hooks({name: root.get_submodule(name) for name in targets}, seen), RandomStates(), evaluating(root):
             run()
     except _AllCaptured:
         pass
-    finally:
-        for handle in handles:
-            handle.remove()
     return captured
 
 
 @contextlib.contextmanager
 def evaluating(root: nn.Module) -> Iterator[None]:
-    """``root`` in eval mode without autograd; every submodule's own ``training`` flag put back afterwards."""
+    """``root`` in eval mode without autograd; every submodule's own ``training`` flag put back afterwards.
+
+    Args:
+        root: the model to run in eval mode meanwhile.
+    """
     modes = {m: m.training for m in root.modules()}
     try:
         with torch.no_grad():
@@ -235,6 +333,12 @@ def example_inputs_for(
     """Inputs for each target: configured ones first, then ``example_input_array``, then one batch.
 
     Raises :class:`ConfigError` naming the targets for which no route produced inputs.
+
+    Args:
+        pl_module: the LightningModule (its ``example_input_array`` and ``training_step`` are used).
+        targets: the submodule names that need inputs.
+        batch_source: returns one training batch (or ``None``), called only when needed.
+        configured: inputs given by the user, by target.
     """
     found: dict[str, Inputs] = dict(configured or {})
     missing = [t for t in targets if t not in found]

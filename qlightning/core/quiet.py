@@ -16,6 +16,7 @@ def quiet(
     level: int = logging.ERROR,
     all_warnings: bool = False,
     stdout: bool = False,
+    stderr: bool = False,
 ) -> Iterator[None]:
     """Silence known noise for the duration of a call, restoring every filter and level afterwards.
 
@@ -25,6 +26,7 @@ def quiet(
         level: the level those loggers are set to.
         all_warnings: ignore every warning (for exporters that warn about their own internals).
         stdout: also swallow what is printed to standard output.
+        stderr: also swallow what is printed to standard error.
     """
     named = [logging.getLogger(n) for n in loggers]
     levels = [lg.level for lg in named]
@@ -38,6 +40,8 @@ def quiet(
                 warnings.filterwarnings("ignore", message=pattern)
             if stdout:
                 stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+            if stderr:
+                stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
             yield
     finally:
         for lg, old in zip(named, levels):

@@ -22,12 +22,18 @@ from qlightning.core.schedule import Phase
 from qlightning.engines import QuantEngine, QuantSpec
 from qlightning.errors import ConfigError, DryRunError, ReferenceUnavailableError, TraceError
 from qlightning.quantize.calibration import float_module_from
-from qlightning.quantize.lowering import BUILDERS, CANDIDATES, LoweringChoice, LoweringContext, choose_lowering
+from qlightning.quantize.lowering import BUILDERS, CANDIDATES, ENGINE_MODULE, LoweringChoice, LoweringContext, choose_lowering
 from qlightning.quantize.ptq import ptq_baseline
 
 
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
-    """Put ``module`` at ``name`` inside ``root`` (index assignment inside Sequential/ModuleList)."""
+    """Put ``module`` at ``name`` inside ``root`` (index assignment inside Sequential/ModuleList).
+
+    Args:
+        root: the model.
+        name: the dotted name of the submodule to replace.
+        module: what to put there.
+    """
     parent_name, _, child = name.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     if isinstance(parent, (nn.Sequential, nn.ModuleList)) and child.isdigit():
@@ -37,7 +43,12 @@ def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def has_submodule(root: nn.Module, name: str) -> bool:
-    """Whether ``root`` has a submodule called ``name``."""
+    """Whether ``root`` has a submodule called ``name``.
+
+    Args:
+        root: the model.
+        name: a dotted submodule name.
+    """
     try:
         root.get_submodule(name)
     except AttributeError:
@@ -46,7 +57,11 @@ def has_submodule(root: nn.Module, name: str) -> bool:
 
 
 def remove_pruning(module: nn.Module) -> None:
-    """Make ``torch.nn.utils.prune`` masks permanent, so convert reads the pruned weights."""
+    """Make ``torch.nn.utils.prune`` masks permanent, so convert reads the pruned weights.
+
+    Args:
+        module: a module that may hold pruning reparametrizations.
+    """
     for sub in module.modules():
         for hook in list(sub._forward_pre_hooks.values()):
             if isinstance(hook, prune.BasePruningMethod):
@@ -54,7 +69,11 @@ def remove_pruning(module: nn.Module) -> None:
 
 
 def session_of(owner: Any) -> "QuantSession":
-    """The :class:`QuantSession` itself, or the one a quantization callback adapts (``callback.session``)."""
+    """The :class:`QuantSession` itself, or the one a quantization callback adapts (``callback.session``).
+
+    Args:
+        owner: a :class:`QuantSession` or a quantization callback.
+    """
     return owner if isinstance(owner, QuantSession) else owner.session
 
 
@@ -139,7 +158,12 @@ class QuantSession:
     # ------------------------------------------------------------------ preparation
 
     def resolve(self, root: nn.Module, key: str = "modules") -> list[str]:
-        """The submodule names the patterns match, checked against the spec (raises :class:`ConfigError`)."""
+        """The submodule names the patterns match, checked against the spec (raises :class:`ConfigError`).
+
+        Args:
+            root: the model.
+            key: the argument (or config key) the names came from, for messages.
+        """
         targets = resolve_targets(root, self.module_names, key=key)
         problems = self.engine.check_spec_against_model(self.spec, {n: root.get_submodule(n) for n in targets})
         if problems:
@@ -147,12 +171,22 @@ class QuantSession:
         return targets
 
     def capture(self, root: nn.Module, batch_source: Optional[Callable[[], Any]] = None) -> dict[str, Inputs]:
-        """Example inputs of each target: given ones, else ``example_input_array``, else one batch."""
+        """Example inputs of each target: given ones, else ``example_input_array``, else one batch.
+
+        Args:
+            root: the model.
+            batch_source: returns one training batch, used when nothing else gives inputs.
+        """
         self.inputs = example_inputs_for(root, self.targets, batch_source=batch_source, configured=self.example_inputs)
         return self.inputs
 
     def prepare(self, root: nn.Module, batch_source: Optional[Callable[[], Any]] = None) -> None:
-        """Prepare every target of ``root`` in place (idempotent); observers start switched off."""
+        """Prepare every target of ``root`` in place (idempotent); observers start switched off.
+
+        Args:
+            root: the model.
+            batch_source: returns one training batch, used when nothing else gives inputs.
+        """
         if self.prepared:
             return
         self.targets = self.resolve(root)
@@ -165,7 +199,11 @@ class QuantSession:
         self.prepared = True
 
     def modules(self, root: nn.Module) -> dict[str, nn.Module]:
-        """The target submodules as they are in ``root`` now."""
+        """The target submodules as they are in ``root`` now.
+
+        Args:
+            root: the model.
+        """
         return {name: root.get_submodule(name) for name in self.targets}
 
     def dry_run(self, root: nn.Module, batch_source: Optional[Callable[[], Any]] = None) -> None:
@@ -175,6 +213,10 @@ class QuantSession:
         an engine's refusal (a qconfig mapping torch.ao cannot fuse, a custom module it cannot convert)
         is known up front. ``root`` and this session are left untouched. Raises :class:`DryRunError`
         (stage, target, the engine's exception); :class:`ConfigError` and trace errors pass as they are.
+
+        Args:
+            root: the model (copied, never changed).
+            batch_source: returns one training batch, used when nothing else gives inputs.
         """
         trial = QuantSession(self.engine, self.spec, self.module_names, self.example_inputs, keep_fake_quant=False, kind=self.kind)
         copy_ = copy.deepcopy(root)
@@ -205,16 +247,30 @@ class QuantSession:
     # ------------------------------------------------------------------ phases
 
     def apply_phase(self, root: nn.Module, phase: Phase) -> None:
-        """Fake-quant, observers and BatchNorm of every target as ``phase`` says."""
+        """Fake-quant, observers and BatchNorm of every target as ``phase`` says.
+
+        Args:
+            root: the model.
+            phase: the schedule's phase.
+        """
         for module in self.modules(root).values():
             self.engine.set_phase(module, phase)
 
     def compile_training(self, root: nn.Module) -> bool:
-        """Training forwards of every target through the engine's compiled path; False where it has none."""
+        """Training forwards of every target through the engine's compiled path; False where it has none.
+
+        Args:
+            root: the model.
+        """
         return all([self.engine.compile_training(module) for module in self.modules(root).values()])
 
     def set_observers(self, root: nn.Module, enabled: bool) -> None:
-        """Observer updates of every target on or off (nothing else changes)."""
+        """Observer updates of every target on or off (nothing else changes).
+
+        Args:
+            root: the model.
+            enabled: whether observers update.
+        """
         for module in self.modules(root).values():
             self.engine.set_observers(module, enabled)
 
@@ -231,7 +287,11 @@ class QuantSession:
         }
 
     def quant_state(self, root: nn.Module) -> dict[str, torch.Tensor]:
-        """Every observer / fake-quant buffer of every target, by ``<target>.<buffer>``."""
+        """Every observer / fake-quant buffer of every target, by ``<target>.<buffer>``.
+
+        Args:
+            root: the model.
+        """
         return {f"{name}.{k}": v for name, m in self.modules(root).items() for k, v in self.engine.quant_state(m)}
 
     # ------------------------------------------------------------------ PTQ baseline
@@ -240,7 +300,14 @@ class QuantSession:
         self, root: nn.Module, inputs: Mapping[str, Sequence[Inputs]], qconfig_mapping: Any = None,
         states: Optional[Mapping[str, Any]] = None,
     ) -> None:
-        """PTQ of each target's float weights (live, or ``states`` saved at fake-quant start) on ``inputs``."""
+        """PTQ of each target's float weights (live, or ``states`` saved at fake-quant start) on ``inputs``.
+
+        Args:
+            root: the model (its prepared targets give the live weights).
+            inputs: calibration inputs per target.
+            qconfig_mapping: the PTQ mapping; ``None``: the PTQ counterpart of the spec's.
+            states: each target's state dict saved at fake-quant start, used instead of the live weights.
+        """
         for name in self.targets:
             state = None if states is None else states[name]
             float_module = float_module_from(self.float_refs[name], root.get_submodule(name), state)
@@ -251,7 +318,12 @@ class QuantSession:
     # ------------------------------------------------------------------ conversion
 
     def detach_fake_quant(self, root: nn.Module, name: str) -> nn.Module:
-        """Before converting ``name``: observers off, a fake-quant copy kept, pruning masks folded in."""
+        """Before converting ``name``: observers off, a fake-quant copy kept, pruning masks folded in.
+
+        Args:
+            root: the model.
+            name: the target about to be converted.
+        """
         prepared = root.get_submodule(name)
         self.engine.decompile(prepared)  # eager from here on: the copy and the int8 model must pickle and deepcopy
         self.engine.set_observers(prepared, False)
@@ -285,7 +357,7 @@ class QuantSession:
             int8 = self.engine.convert(prepared, self.spec)
             self.int8_modules[name] = int8
             set_submodule(root, name, int8)
-            if lowering != "fx" and name in self.fake_quant_modules:
+            if lowering != ENGINE_MODULE and name in self.fake_quant_modules:
                 set_submodule(root, name, self.lower(name, int8, lowering, candidates, batch_size, min_sqnr_db, on_choice))
         self.converted = True
 
@@ -294,7 +366,11 @@ class QuantSession:
         return self.engine.export_limits(self.spec)
 
     def reference_module(self, name: str) -> nn.Module:
-        """The q/dq graph that computes what the int8 module ``name`` computes (exports, lowering)."""
+        """The q/dq graph that computes what the int8 module ``name`` computes (exports, lowering).
+
+        Args:
+            name: a converted target.
+        """
         limit = self.export_limits().get("reference")
         if limit is not None:
             raise ReferenceUnavailableError(f"{name}: no q/dq reference graph: {limit}")
@@ -316,7 +392,17 @@ class QuantSession:
         batch_size: int = 32, min_sqnr_db: float = 25.0,
         on_choice: Optional[Callable[[str, LoweringChoice], None]] = None,
     ) -> nn.Module:
-        """The fastest runtime of ``int8`` that is faithful to the fake-quant model (else ``int8``)."""
+        """The fastest runtime of ``int8`` that is faithful to the fake-quant model (else ``int8``).
+
+        Args:
+            name: the target.
+            int8: its converted module.
+            lowering: ``auto`` or a candidate's name.
+            candidates: the runtimes ``auto`` chooses from (default: all).
+            batch_size: the example input is tiled to this batch to time and check candidates.
+            min_sqnr_db: the SQNR a runtime needs against the fake-quant model.
+            on_choice: called with the target's name and the choice (for logging).
+        """
         if not candidates:
             candidates = CANDIDATES if lowering == "auto" else ("fx", lowering)
         batch = tile_inputs(self.inputs[name], batch_size)
@@ -339,8 +425,15 @@ class QuantSession:
         return choice.module
 
     def rebuild_lowered(self, name: str, int8: nn.Module, runtime: str, batch_size: int = 32) -> nn.Module:
-        """The runtime ``runtime`` of ``int8`` built again, without timing (another process chose it)."""
-        if runtime == "fx":
+        """The runtime ``runtime`` of ``int8`` built again, without timing (another process chose it).
+
+        Args:
+            name: the target.
+            int8: its converted module.
+            runtime: the runtime the other process kept.
+            batch_size: the example input is tiled to this batch.
+        """
+        if runtime == ENGINE_MODULE:
             return int8
         try:
             reference = self.reference_module(name)
@@ -358,6 +451,9 @@ class QuantSession:
         :attr:`float_snapshot` and quantization switched off. ``trained_float`` (QAT with a snapshot
         only) is the fake-quant copy with quantization switched off: the QAT-trained weights computed
         in float, the reference that separates quantization error (same weights) from training drift.
+
+        Args:
+            root: the model, converted.
         """
         int8 = {n: root.get_submodule(n) for n in self.targets}
         if self.kind == "ptq":

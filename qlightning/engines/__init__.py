@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Optional
 
 from qlightning.engines.base import BACKENDS, Inputs, QuantEngine, QuantSpec
 from qlightning.errors import ConfigError
@@ -45,7 +45,14 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
 
 
 def check_engine_options(engine: str, options: object, errors: list[str], key: str = "engine_options") -> None:
-    """Append a message per unknown option or wrongly typed value of ``engine``'s options."""
+    """Append a message per unknown option or wrongly typed value of ``engine``'s options.
+
+    Args:
+        engine: the engine's name.
+        options: the ``engine_options`` given.
+        errors: where a message per problem is appended.
+        key: what the messages call the options (an argument or a config key).
+    """
     if options is None:
         return
     if not hasattr(options, "items"):
@@ -66,7 +73,11 @@ def check_engine_options(engine: str, options: object, errors: list[str], key: s
 
 
 def compile_mode(options: Any) -> str:
-    """``engine_options.compile`` as one of :data:`COMPILE_MODES` (true is on, false off; absent: auto)."""
+    """``engine_options.compile`` as one of :data:`COMPILE_MODES` (true is on, false off; absent: auto).
+
+    Args:
+        options: the ``engine_options`` given (or ``None``).
+    """
     value = (options or {}).get("compile", "auto")
     return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else str(value)
 
@@ -76,11 +87,29 @@ def get_engine(name: str) -> QuantEngine:
 
     Importing an engine's module never fails at ``import qlightning`` time; an engine whose
     torch/torchao support is missing raises :class:`~qlightning.errors.EngineUnavailableError` here.
+
+    Args:
+        name: a key of :data:`ENGINE_CLASSES`.
     """
     if name not in ENGINE_CLASSES:
         raise ConfigError(f"engine={name!r}: unknown engine; valid choices: {list(ENGINES)}")
-    module, _, cls = ENGINE_CLASSES[name].partition(":")
-    return getattr(importlib.import_module(module), cls)()
+    return engine_class(name)()  # type: ignore[misc]
+
+
+def engine_class(engine: Any) -> Optional[type[QuantEngine]]:
+    """The class of ``engine``, a name or an instance, imported but not instantiated (so nothing of torch.ao
+    or torchao is loaded); ``None`` for a name that is no engine. Ask it what the engine does (its class
+    attributes), rather than comparing names.
+
+    Args:
+        engine: an engine's name, or an engine instance.
+    """
+    if not isinstance(engine, str):
+        return type(engine)
+    if engine not in ENGINE_CLASSES:
+        return None
+    module, _, cls = ENGINE_CLASSES[engine].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def quantized_decomposed_ops() -> Any:
@@ -90,4 +119,4 @@ def quantized_decomposed_ops() -> Any:
     return ops()
 
 
-__all__ = ["quantized_decomposed_ops", "BACKENDS", "COMPILE_MODES", "ENGINES", "compile_mode", "ENGINE_OPTIONS", "check_engine_options", "Inputs", "QuantEngine", "QuantSpec", "get_engine"]
+__all__ = ["quantized_decomposed_ops", "BACKENDS", "COMPILE_MODES", "ENGINES", "compile_mode", "engine_class", "ENGINE_OPTIONS", "check_engine_options", "Inputs", "QuantEngine", "QuantSpec", "get_engine"]

@@ -30,7 +30,8 @@ class QuantSpec:
     Attributes:
         backend: the int8 kernel library the model is lowered for; one of :data:`BACKENDS`.
         qconfig_mapping: ``None`` for the backend's default QAT mapping, else a native object of
-            the engine (``QConfigMapping`` for FX) built by :mod:`qlightning.config`.
+            the engine (``QConfigMapping`` for FX) or plain data that :meth:`QuantEngine.resolve_spec`
+            turns into one.
         prepare_custom_config: native prepare-time custom config (FX ``PrepareCustomConfig``) or ``None``.
         convert_custom_config: native convert-time custom config (FX ``ConvertCustomConfig``) or ``None``.
         backend_config: native backend config, ``None`` for the backend's own.
@@ -56,55 +57,124 @@ class QuantEngine(ABC):
     #: whether :meth:`convert` returns a float q/dq graph (PT2E) rather than quantized kernels (FX): a
     #: q/dq graph is its own reference for exports and lowering, kernels need the prepared module kept
     converts_to_qdq_graph: ClassVar[bool] = False
+    #: the PTQ modes it calibrates and converts (``PostTrainingQuantization(mode=...)``)
+    ptq_modes: ClassVar[tuple[str, ...]] = ("static",)
+    #: whether PTQ can apply input-weight equalization (``equalization=``) with it
+    equalizes_inputs_and_weights: ClassVar[bool] = False
+    #: whether a prepared module keeps the float submodules' names (so ModelPruning can follow them)
+    keeps_module_names: ClassVar[bool] = False
+    #: whether rank 0 of a spawn/fork strategy can hand its result back to the main process (its int8
+    #: modules pickle and its prepared modules can be prepared again there)
+    spawn_hand_over: ClassVar[bool] = False
+    #: whether a pickled (or deep-copied) QAT callback leaves its kept fake-quant copies out, because
+    #: this engine's prepared modules do not pickle
+    pickles_without_prepared: ClassVar[bool] = False
+    #: whether ``qlightning recipes validate`` / ``doctor`` dry-run prepare -> convert by default (seconds)
+    dry_run_by_default: ClassVar[bool] = False
 
     def converted_here(self, module: nn.Module) -> bool:
-        """Whether ``module`` is what this engine's :meth:`convert` makes (lowering asks, to pick the engine)."""
+        """Whether ``module`` is what this engine's :meth:`convert` makes (lowering asks, to pick the engine).
+
+        Args:
+            module: a converted module (the engine's, or another engine's).
+        """
         return False
 
     @abstractmethod
     def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
-        """Fuse and instrument a float module (train mode for QAT); return the module to put in its place."""
+        """Fuse and instrument a float module (train mode for QAT); return the module to put in its place.
+
+        Args:
+            module: the float submodule.
+            inputs: its example inputs (tracing, export).
+            spec: how to quantize it.
+        """
 
     @abstractmethod
     def set_phase(self, module: nn.Module, phase: Phase) -> None:
-        """Switch fake-quant, observers and BatchNorm statistics of a prepared module to ``phase``."""
+        """Switch fake-quant, observers and BatchNorm statistics of a prepared module to ``phase``.
+
+        Args:
+            module: a module this engine prepared.
+            phase: the schedule's phase.
+        """
 
     @abstractmethod
     def set_observers(self, module: nn.Module, enabled: bool) -> None:
-        """Enable or disable observer updates only (used around validation, test and predict)."""
+        """Enable or disable observer updates only (used around validation, test and predict).
+
+        Args:
+            module: a module this engine prepared.
+            enabled: whether observers update.
+        """
 
     @abstractmethod
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
-        """Turn a prepared module into the quantized module lowered for ``spec.backend``."""
+        """Turn a prepared module into the quantized module lowered for ``spec.backend``.
+
+        Args:
+            module: a module this engine prepared.
+            spec: the spec it was prepared with.
+        """
 
     @abstractmethod
     def quant_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every buffer that belongs to an observer or fake-quant (statistics, scales, zero points, flags)."""
+        """Every buffer that belongs to an observer or fake-quant (statistics, scales, zero points, flags).
+
+        Args:
+            module: a module this engine prepared.
+        """
 
     def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
         """Turn plain-data parts of ``spec`` (dicts from a config) into the engine's native objects.
 
         Problems are appended to ``errors``; the default accepts native objects only.
+
+        Args:
+            spec: a spec whose parts may be plain data.
+            errors: where problems are appended.
         """
         return spec
 
     def compile_training(self, module: nn.Module) -> bool:
         """Run the training forwards of a prepared module through ``torch.compile``, with the same state and
-        the same int8 model; False where this engine has no compiled path. Undone by :meth:`decompile`."""
+        the same int8 model; False where this engine has no compiled path. Undone by :meth:`decompile`.
+
+        Args:
+            module: a module this engine prepared.
+        """
         return False
 
     def decompile(self, module: nn.Module) -> None:
-        """Undo :meth:`compile_training`: eager forwards again (before converting, copying or pickling)."""
+        """Undo :meth:`compile_training`: eager forwards again (before converting, copying or pickling).
+
+        Args:
+            module: a module :meth:`compile_training` compiled (anything else is left alone).
+        """
 
     def check_spec_against_model(self, spec: QuantSpec, modules: dict[str, nn.Module]) -> list[str]:
-        """Config entries that name nothing in the modules about to be prepared."""
+        """Config entries that name nothing in the modules about to be prepared.
+
+        Args:
+            spec: the resolved spec (its plain data in ``spec.options``).
+            modules: ``{name: float submodule}`` about to be prepared.
+        """
         return []
 
     def is_prepared(self, module: nn.Module) -> bool:
+        """Whether ``module`` holds any observer or fake-quant state of this engine.
+
+        Args:
+            module: any module.
+        """
         return any(True for _ in self.quant_state(module))
 
     def describe_qparams(self, module: nn.Module) -> dict[str, dict[str, Any]]:
-        """Scale / zero point summaries per observer, for logging and reports."""
+        """Scale / zero point summaries per observer, for logging and reports.
+
+        Args:
+            module: a module this engine prepared.
+        """
         return {}
 
     def reset_observers(self, module: nn.Module) -> int:
@@ -112,6 +182,9 @@ class QuantEngine(ABC):
 
         Moving-average observers that ran while the weights were still changing hold an average of
         old ranges (with ``averaging_constant=0.01`` a short calibration barely moves it).
+
+        Args:
+            module: a module this engine prepared.
         """
         count = 0
         for m in module.modules():
@@ -122,7 +195,11 @@ class QuantEngine(ABC):
         return count
 
     def takes_quantized_inputs(self, spec: QuantSpec) -> bool:
-        """Whether modules converted with ``spec`` take int8 tensors (not float) as inputs."""
+        """Whether modules converted with ``spec`` take int8 tensors (not float) as inputs.
+
+        Args:
+            spec: the resolved spec.
+        """
         return False
 
     def export_limits(self, spec: QuantSpec) -> dict[str, str]:
@@ -131,6 +208,9 @@ class QuantEngine(ABC):
         Keys: ``"reference"`` (no q/dq reference graph computes what the int8 module computes, so
         neither ONNX nor ``.pt2`` can be built and the parity gate has no int8 reference), ``"onnx"``,
         ``"pt2"``. Known before anything is prepared, so a run can refuse such a format before training.
+
+        Args:
+            spec: the resolved spec.
         """
         return {}
 
@@ -149,7 +229,11 @@ class QuantEngine(ABC):
 
 
 def quantized_engine(backend: str) -> "torch.backends.quantized._QEngineProp":
-    """Select ``backend`` as torch's quantized kernel library (process-wide), checking it exists."""
+    """Select ``backend`` as torch's quantized kernel library (process-wide), checking it exists.
+
+    Args:
+        backend: one of :data:`BACKENDS`.
+    """
     supported = torch.backends.quantized.supported_engines
     if backend not in supported:
         raise RuntimeError(f"quantized backend {backend!r} is not available in this torch build; available: {supported}")
@@ -184,6 +268,9 @@ def check_batch_norm_gammas(module: nn.Module) -> None:
     ``zero_init_last=True``, torchvision's ``zero_init_residual=True``) makes the first training step
     NaN, and the first fake-quant step then fails inside torch with "`zero_point` must be between
     `quant_min` and `quant_max`" (measured: timm resnet10t, both engines).
+
+    Args:
+        module: the float module about to be prepared.
     """
     from qlightning.errors import ConfigError
 
@@ -294,6 +381,9 @@ def settle_fake_quant_state(module: nn.Module) -> int:
     and its scale / zero point are computed by the op itself (qparams only, on a one-element-per-channel
     dummy): those are exactly the values every later unobserved forward recomputes, bit for bit.
     Returns how many fake-quants were settled.
+
+    Args:
+        module: a freshly prepared module.
     """
     sizes: dict[int, int] = {}
     for fq, shape in _per_channel_inputs(module):
@@ -368,6 +458,10 @@ def trained_qparams(module: nn.Module, enabled: bool = True) -> Iterator[None]:
     asks the same question of its own ``FusedMovingAvgObsFakeQuantize`` (digits CNN: 34-40 dB -> 80-200 dB). Here every fused
     fake-quant answers with what its forward uses, the fused op's qparams from its running min/max;
     restored on exit.
+
+    Args:
+        module: the prepared module about to be converted.
+        enabled: ``False`` leaves the fake-quants' own ``calculate_qparams`` (the engine option ``trained_qparams=false``).
     """
     patched = []
     if enabled:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from qlightning.core.inputs import Inputs, as_inputs, evaluating
+from qlightning.core.inputs import Inputs, as_inputs, evaluating, input_hooks
 from qlightning.engines import QuantEngine, QuantSpec, get_engine
 from qlightning.engines.fx.qconfigs import ptq_qconfig_mapping
 from qlightning.errors import QLightningError
@@ -37,50 +37,41 @@ def run_to_targets(
     The rest of the step (loss, metrics, ``self.log``) never runs, so calibration does not touch
     metric states or the logger. ``on_input(name, inputs)`` sees each target's inputs.
     A target called several times in one step is observed on its first call only.
+
+    Args:
+        pl_module: the model the step runs.
+        targets: names of its submodules to run up to.
+        run: one step of ``pl_module`` (e.g. ``lambda: pl_module.training_step(batch, 0)``).
+        on_input: called with each target's name and inputs (as given, not copied) on its first call.
     """
     done: list[str] = []
-    handles = []
 
-    def make_hooks(name: str) -> tuple[Callable[..., None], Callable[..., None]]:
-        def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if on_input is not None and name not in done:
-                on_input(name, Inputs(tuple(args), dict(kwargs)))
+    def pre(name: str, inputs: Inputs) -> None:
+        if on_input is not None and name not in done:
+            on_input(name, inputs)
 
-        def post(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if name not in done:
-                done.append(name)
-            if len(done) == len(targets):
-                raise _TargetsDone
+    def post(name: str) -> None:
+        if name not in done:
+            done.append(name)
+        if len(done) == len(targets):
+            raise _TargetsDone
 
-        return pre, post
-
-    for name in targets:
-        pre, post = make_hooks(name)
-        module = pl_module.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True))
     try:
-        with evaluating(pl_module):
+        with input_hooks({name: pl_module.get_submodule(name) for name in targets}, pre, post), evaluating(pl_module):
             run()
     except _TargetsDone:
         pass
-    finally:
-        for handle in handles:
-            handle.remove()
     return done
 
 
-def detach_shallow(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (list, tuple)):
-        return type(value)(detach_shallow(v) for v in value)
-    if isinstance(value, dict):
-        return {k: detach_shallow(v) for k, v in value.items()}
-    return value
-
-
 def spec_for_ptq(spec: QuantSpec, qconfig_mapping: Any, equalization_config: Any) -> QuantSpec:
+    """The PTQ twin of ``spec``: observers instead of fake-quants, the same dtypes and ranges.
+
+    Args:
+        spec: the (QAT or PTQ) spec of the run.
+        qconfig_mapping: the PTQ mapping to use; ``None``: ``spec``'s own, turned into its PTQ counterpart when it is a QAT mapping.
+        equalization_config: FX input-weight equalization for the PTQ prepare, or ``None``.
+    """
     mapping = qconfig_mapping
     if mapping is None and spec.qconfig_mapping is not None:
         mapping = spec.qconfig_mapping
@@ -94,6 +85,12 @@ def spec_for_ptq(spec: QuantSpec, qconfig_mapping: Any, equalization_config: Any
 
 
 def to_device(value: Any, device: torch.device) -> Any:
+    """Every tensor of a (nested) value, or of an ``Inputs``, moved to ``device``.
+
+    Args:
+        value: a tensor, ``Inputs``, or a (nested) tuple, list or dict of them.
+        device: where to move them.
+    """
     if isinstance(value, Inputs):
         return Inputs(to_device(value.args, device), to_device(value.kwargs, device))
     if isinstance(value, torch.Tensor):
@@ -106,7 +103,12 @@ def to_device(value: Any, device: torch.device) -> Any:
 
 
 def calibrate(module: nn.Module, inputs: Iterable[Any]) -> int:
-    """Run ``module`` on every input (eval, no_grad) so its observers see them; returns the count."""
+    """Run ``module`` on every input (eval, no_grad) so its observers see them; returns the count.
+
+    Args:
+        module: a module prepared with observers.
+        inputs: its inputs, one call each (anything :func:`~qlightning.core.inputs.as_inputs` takes).
+    """
     n = 0
     with torch.no_grad():
         module.eval()
@@ -125,7 +127,15 @@ def calibrate_and_convert(
     equalization_config: Any = None,
 ) -> nn.Module:
     """Static PTQ of a deep copy of ``float_module``: prepare with ``spec`` (as PTQ), calibrate on
-    ``inputs`` (first one = example inputs), convert. ``float_module`` is not modified."""
+    ``inputs`` (first one = example inputs), convert. ``float_module`` is not modified.
+
+    Args:
+        float_module: the float module (copied, never changed).
+        inputs: the calibration inputs; the first is the example input of prepare.
+        spec: how to quantize (taken as PTQ).
+        engine: the engine's name or an instance.
+        equalization_config: FX input-weight equalization, or ``None``.
+    """
     engine = get_engine(engine) if isinstance(engine, str) else engine
     inputs = [as_inputs(i) for i in inputs]
     if not inputs:
@@ -148,6 +158,11 @@ def float_module_from(float_module: nn.Module, prepared: nn.Module, state: Optio
     ``state``, a state dict of ``prepared`` saved earlier (e.g. the QAT callback's
     ``float_snapshot[name]`` taken when fake-quant started). Anything unmatched keeps the float
     module's own value.
+
+    Args:
+        float_module: the float module kept when ``prepared`` was made from it.
+        prepared: the QAT-prepared module.
+        state: a state dict of ``prepared`` saved earlier, used instead of its current values.
     """
     param_names: dict[int, str] = {}
     for name, param in prepared.named_parameters(remove_duplicate=False):

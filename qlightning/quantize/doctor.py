@@ -30,15 +30,12 @@ Command line: ``qlightning doctor pkg.module:Class`` or ``qlightning doctor reci
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import io
 import inspect
 import json
 import os
 import re
 import traceback
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -46,6 +43,7 @@ import torch
 from torch import nn
 
 from qlightning.core.inputs import Inputs, capture_inputs, positional_args
+from qlightning.core.quiet import quiet
 
 # Layers worth quantizing: a subtree without any of these is not a candidate of its own.
 QUANTIZABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
@@ -114,9 +112,15 @@ class Report:
     configured: list[dict[str, Any]] = field(default_factory=list)
 
     def get(self, name: str) -> Optional[Finding]:
+        """The finding of submodule ``name``, if it was visited.
+
+        Args:
+            name: a submodule's qualified name (``""``: the model).
+        """
         return next((f for f in self.findings if f.name == name), None)
 
     def failing(self) -> list[Finding]:
+        """The findings of modules that do not trace."""
         return [f for f in self.findings if not f.traces]
 
     def traceable_modules(self) -> list[str]:
@@ -130,18 +134,27 @@ class Report:
 
     # ------------------------------------------------------------------ rendering
     def modules_snippet(self, names: Optional[Sequence[str]] = None, all_names: Sequence[str] = ()) -> str:
+        """A ``modules:`` YAML list for a recipe, runs of names compressed into globs.
+
+        Args:
+            names: the modules to list (default: :meth:`traceable_modules`).
+            all_names: every submodule name a glob must not match beyond ``names`` (default: the findings').
+        """
         names = list(self.traceable_modules() if names is None else names)
         patterns = compress(names, all_names or [f.name for f in self.findings])
         return "modules:\n" + "".join(f"  - {p}\n" for p in patterns)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data (``--json``)."""
         return {"model": self.model, "checked_inputs": self.checked_inputs, "findings": [asdict(f) for f in self.findings],
                 "traceable_modules": self.traceable_modules(), "configured": self.configured}
 
     def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON."""
         return json.dumps(self.to_dict(), indent=2)
 
     def to_text(self) -> str:
+        """The report as the terminal shows it."""
         lines = [f"qlightning doctor: {self.model}", ""]
         names = [f.name for f in self.findings]
         rows = []
@@ -238,6 +251,11 @@ def _indent(text: str, by: str = "    ") -> str:
 
 
 def custom_module_hint(f: Finding) -> str:
+    """How to quantize a module that no tracing route reaches: a custom module pair (or dynamic, for LSTM).
+
+    Args:
+        f: the module's finding.
+    """
     if "LSTM" in f.cls or any("LSTM" in n for n in f.notes):
         return ("static int8 nn.LSTM goes through torch.ao's quantizable LSTM as a custom module pair "
                 "(call it as lstm(x, (h0, c0)), FX needs the hidden state):\n"
@@ -265,10 +283,14 @@ class _LeafTracer(torch.fx.Tracer):
 
 
 def trace(module: nn.Module, leaves: Iterable[nn.Module] = ()) -> torch.fx.GraphModule:
-    """``torch.fx.symbolic_trace`` with ``leaves`` not traced into."""
+    """``torch.fx.symbolic_trace`` with ``leaves`` not traced into.
+
+    Args:
+        module: the module to trace.
+        leaves: modules kept as calls, not traced into.
+    """
     tracer = _LeafTracer(leaves)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet(all_warnings=True):
         graph = tracer.trace(module)
     return torch.fx.GraphModule(tracer.root, graph, type(module).__name__)
 
@@ -294,7 +316,13 @@ def _signature_kind(module: nn.Module) -> Optional[str]:
 
 
 def classify(exc: BaseException, source: Optional[str], module: nn.Module) -> str:
-    """The kind of trace breaker behind ``exc`` (a key of :data:`BREAKERS`)."""
+    """The kind of trace breaker behind ``exc`` (a key of :data:`BREAKERS`).
+
+    Args:
+        exc: what tracing raised.
+        source: the user's source line where it was raised, if known.
+        module: the module that failed to trace.
+    """
     kind = classify_plain(exc, source)
     if kind != "other":
         return kind
@@ -425,7 +453,12 @@ def _rel(name: str, prefix: str) -> str:
 
 
 def compress(names: Sequence[str], universe: Sequence[str]) -> list[str]:
-    """Replace runs of ``a.0.b, a.1.b, ...`` by a glob that matches exactly those names in ``universe``."""
+    """Replace runs of ``a.0.b, a.1.b, ...`` by a glob that matches exactly those names in ``universe``.
+
+    Args:
+        names: the names to list.
+        universe: every submodule name (a glob may match no other).
+    """
     groups: dict[str, list[str]] = {}
     for name in names:
         key = re.sub(r"\.\d+(?=\.|$)", ".#", name)
@@ -455,6 +488,7 @@ def diagnose(model: nn.Module, example_inputs: Optional[Any] = None, check_input
         model: any ``nn.Module`` (a LightningModule too; its ``example_input_array`` is used).
         example_inputs: inputs of ``model`` (a tensor, tuple or dict) to run traced graphs on.
         check_inputs: run every traced graph on the inputs its module really receives.
+        name: what the report calls the model (default: its class path).
     """
     findings: dict[str, Finding] = {}
     order: list[str] = []
@@ -537,6 +571,12 @@ def diagnose(model: nn.Module, example_inputs: Optional[Any] = None, check_input
 
 
 def classify_plain(exc: BaseException, source: Optional[str]) -> str:
+    """The kind of trace breaker behind ``exc`` from its message and source line alone (``"other"`` if none).
+
+    Args:
+        exc: what tracing raised.
+        source: the user's source line where it was raised, if known.
+    """
     message, source = str(exc), source or ""
     if "cannot be used as inputs to control flow" in message:
         return "control_flow"
@@ -639,8 +679,7 @@ def _check_on_inputs(model: nn.Module, findings: list[Finding], modules: dict[st
                 continue
             module, got = modules[f.name], seen[f.name]
             try:
-                with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-                    warnings.simplefilter("ignore")
+                with torch.no_grad(), quiet(all_warnings=True, stderr=True):
                     graph = trace(module)
                     bound = positional_args(module, got)
                     expected = module(*got.args, **got.kwargs)
@@ -676,7 +715,14 @@ def _same(a: Any, b: Any) -> bool:
 
 def check_targets(model: nn.Module, targets: Sequence[str], non_traceable_names: Sequence[str] = (),
                   non_traceable_classes: Sequence[type] = ()) -> list[dict[str, Any]]:
-    """Whether each configured target traces, with its configured non-traceable names/classes kept as leaves."""
+    """Whether each configured target traces, with its configured non-traceable names/classes kept as leaves.
+
+    Args:
+        model: the model.
+        targets: the configured submodule names.
+        non_traceable_names: configured non-traceable submodule names (kept as leaves).
+        non_traceable_classes: configured non-traceable classes (kept as leaves).
+    """
     out = []
     for target in targets:
         module = model.get_submodule(target)
@@ -698,7 +744,11 @@ def _has_submodule(module: nn.Module, name: str) -> bool:
 
 
 def load_target(spec: str) -> nn.Module:
-    """``pkg.module:Name``: a module class (built without arguments), a factory, or a module object."""
+    """``pkg.module:Name``: a module class (built without arguments), a factory, or a module object.
+
+    Args:
+        spec: ``pkg.module:Name``.
+    """
     import importlib
 
     module_path, sep, attr = spec.partition(":")

@@ -37,7 +37,6 @@ import copy
 import math
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -47,11 +46,14 @@ from torch import nn
 
 from qlightning.core.inputs import Inputs, attach_source, first_tensor, source_of  # noqa: F401  source_of: re-exported
 from qlightning.core.metrics import median_ms, sqnr_db, top1_agreement
+from qlightning.core.quiet import quiet
 from qlightning.engines import ENGINES, QuantEngine, get_engine
 from qlightning.errors import EngineUnavailableError, QLightningError
 from qlightning.quantize.qdq import quiet_export, qdq_program, write_onnx
 
-CANDIDATES = ("fx", "onnxruntime", "inductor")
+#: the lowering that keeps the engine's own int8 module, whichever the engine (named after FX, the first one)
+ENGINE_MODULE = "fx"
+CANDIDATES = (ENGINE_MODULE, "onnxruntime", "inductor")
 DEFAULT_MIN_SQNR_DB = 25.0
 DEFAULT_MIN_TOP1 = 0.99
 
@@ -90,6 +92,11 @@ class OnnxRuntimeModule(nn.Module):
         return self._session
 
     def forward(self, *args: torch.Tensor) -> Any:
+        """Run the ONNX model on onnxruntime's CPU provider.
+
+        Args:
+            args: the positional inputs, in the exported order.
+        """
         session = self._get_session()
         feed = {n: a.detach().cpu().contiguous().numpy() for n, a in zip(self.input_names, args)}
         outs = [torch.from_numpy(o) for o in session.run(None, feed)]
@@ -112,6 +119,12 @@ class InductorModule(nn.Module):
         self._compiled: Any = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module compiled by inductor (compiled on the first call).
+
+        Args:
+            args: positional inputs.
+            kwargs: keyword inputs.
+        """
         import torch._inductor.config as inductor_config
 
         if self._compiled is None:
@@ -150,7 +163,11 @@ class LoweringContext:
 
 
 def engine_of(int8: nn.Module) -> QuantEngine:
-    """The engine whose ``convert`` made ``int8`` (FX's quantized kernels, PT2E's q/dq graph)."""
+    """The engine whose ``convert`` made ``int8`` (FX's quantized kernels, PT2E's q/dq graph).
+
+    Args:
+        int8: a converted module (or a lowering wrapper around one).
+    """
     available = []
     for name in ENGINES:
         try:
@@ -199,7 +216,7 @@ def _build_inductor(ctx: LoweringContext) -> nn.Module:
 
 
 BUILDERS: dict[str, Callable[[LoweringContext], nn.Module]] = {
-    "fx": _build_fx,
+    ENGINE_MODULE: _build_fx,
     "onnxruntime": _build_onnxruntime,
     "inductor": _build_inductor,
 }
@@ -245,10 +262,16 @@ class LoweringChoice:
         return [n for n in self.latency_ms if n not in self.errors]
 
     def speedup_over(self, other: str) -> Optional[float]:
+        """How many times faster the kept runtime is than ``other`` (``None`` when either was not timed).
+
+        Args:
+            other: a candidate's name.
+        """
         a, b = self.latency_ms.get(self.name), self.latency_ms.get(other)
         return None if not a or not b else b / a
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data (without the module) for report.json and the checkpoint."""
         data = {k: copy.deepcopy(v) for k, v in self.__dict__.items() if k != "module"}
         data["passed"] = self.passed
         return data
@@ -265,7 +288,7 @@ def choose_lowering(
     repeats: int = 20,
     warmup: int = 3,
     threads: Optional[int] = None,
-    fallback: str = "fx",
+    fallback: str = ENGINE_MODULE,
     tolerance_db: Optional[float] = 1.0,
     builders: Optional[Mapping[str, Callable[[LoweringContext], nn.Module]]] = None,
     qdq_module: Optional[nn.Module] = None,
@@ -328,8 +351,7 @@ def choose_lowering(
             return outs[0] if len(outs) == 1 else torch.cat([o.reshape(1) if o.dim() == 0 else o for o in outs])
 
         reference_module = copy.deepcopy(fake_quant_module).eval()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet(all_warnings=True):
             reference = outputs(reference_module)
         ctx = LoweringContext(fake_quant_module, int8_module, inputs, threads=threads, qdq_module=qdq_module)
         built: dict[str, nn.Module] = {}
@@ -339,8 +361,7 @@ def choose_lowering(
             start = time.perf_counter()
             first = None
             try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
+                with quiet(all_warnings=True):
                     module = table[name](ctx)
                     choice.build_s[name] = round(time.perf_counter() - start, 3)
                     first = time.perf_counter()

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import pickle
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +19,7 @@ from qlightning.config.build import config_keys, instantiate_checked
 from qlightning.config.schema import sections
 from qlightning.config.validate import validate_config
 from qlightning.core.inputs import source_of
+from qlightning.core.quiet import quiet
 from qlightning.run import report as reporting
 from qlightning.run.artifacts import finalize_run
 from qlightning.run.export import save_int8
@@ -29,6 +29,11 @@ from qlightning.errors import ConfigError, QLightningError
 
 
 def trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """The Trainer's keyword arguments from ``cfg.trainer`` (unset keys left to Lightning).
+
+    Args:
+        cfg: the composed run config.
+    """
     kwargs = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items() if v is not None}
     return kwargs
 
@@ -39,7 +44,12 @@ def tensorboard_available() -> bool:
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
-    """The run's Lightning loggers, all writing under ``run_dir/logs``; a missing package is a ConfigError."""
+    """The run's Lightning loggers, all writing under ``run_dir/logs``; a missing package is a ConfigError.
+
+    Args:
+        cfg: the composed run config (its ``logger`` section).
+        run_dir: the run's folder.
+    """
     names = [getattr(n, "value", n) for n in cfg.get("loggers", ["csv"])]
     loggers: list[Logger] = []
     for name in dict.fromkeys(names):
@@ -61,6 +71,11 @@ def train(cfg: DictConfig, run_dir: Path, provenance: Optional[dict[str, Any]] =
     """Train with QAT, convert to int8, and write checkpoints, the int8 model and the report into ``run_dir``.
 
     Every configuration problem is raised as one :class:`ConfigError` before the first training step.
+
+    Args:
+        cfg: the composed, checked run config.
+        run_dir: the run's folder.
+        provenance: what made the run (command, recipe, versions), kept in checkpoints and the report.
     """
     start = time.perf_counter()
     run_dir = Path(run_dir)
@@ -142,8 +157,7 @@ def _export_and_report(
         def eval_trainer() -> pl.Trainer:
             return evaluation_trainer(cfg.trainer.limit_test_batches)
 
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        with quiet(messages=(".*does not have many workers.*",)):
             result.update(
                 reporting.build_report(
                     callback,

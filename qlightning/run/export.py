@@ -74,6 +74,12 @@ class Artifact:
         return f"{self.module}:{self.format}"
 
     def to_dict(self, root: Optional[Path] = None) -> dict[str, Any]:
+        """Plain data for report.json.
+
+        Args:
+            root: paths are written relative to it when given.
+        """
+
         def rel(p: Optional[Path]) -> Optional[str]:
             if p is None:
                 return None
@@ -95,7 +101,13 @@ class Artifact:
 
 
 def artifact_path(directory: Path, module: str, fmt: str) -> Path:
-    """``<dir>/int8_<module><ext>`` (the TorchScript name is the one ``qlightning train`` always wrote)."""
+    """``<dir>/int8_<module><ext>`` (the TorchScript name is the one ``qlightning train`` always wrote).
+
+    Args:
+        directory: where artifacts are written.
+        module: the quantized submodule's name.
+        fmt: the format (``torchscript``, ``onnx``, ``pt2``).
+    """
     return Path(directory) / f"int8_{module}{EXTENSIONS[fmt]}"
 
 
@@ -113,6 +125,11 @@ def save_int8(module: torch.nn.Module, path: Path, inputs: Inputs) -> Optional[s
 
     Scripted when possible, else traced on the captured example inputs (FX-generated code
     carries annotations TorchScript cannot parse). Returns a problem description or ``None``.
+
+    Args:
+        module: the int8 submodule.
+        path: the file to write.
+        inputs: example inputs (tracing falls back to them when scripting fails).
     """
     # TorchScript's complaints about code it handles anyway: torch.ao's quantized modules annotate an
     # empty list in __init__; a PT2E graph's torch._check asserts trace as constants (the parity gate
@@ -137,6 +154,13 @@ _TORCHSCRIPT_NOISE = (
 
 
 def write_torchscript(int8: nn.Module, example: Inputs, path: Path) -> None:
+    """TorchScript of ``int8`` at ``path`` (:func:`save_int8`); raises what it could not do.
+
+    Args:
+        int8: the int8 submodule.
+        example: its example inputs.
+        path: the file to write.
+    """
     problem = save_int8(int8, path, example)
     if problem is not None:
         raise ExportError(problem)
@@ -165,7 +189,13 @@ class OnnxRunner:
 
 
 def load_artifact(path: Path, fmt: str, threads: Optional[int] = None) -> Callable[..., Any]:
-    """Load an artifact as a callable the way a user would (no qlightning objects involved)."""
+    """Load an artifact as a callable the way a user would (no qlightning objects involved).
+
+    Args:
+        path: the artifact's file.
+        fmt: its format.
+        threads: onnxruntime's intra-op threads (``None``: torch's count).
+    """
     if fmt == "torchscript":
         return torch.jit.load(str(path)).eval()
     if fmt == "pt2":
@@ -207,11 +237,24 @@ def manifest(
     example: Inputs,
     backend: str,
     engine: str,
+    qdq_graph: bool,
     dynamic_batch: bool,
     qparams: dict[str, Any],
     provenance: dict[str, Any],
 ) -> dict[str, Any]:
-    """The sidecar JSON of one artifact: how to load it, its inputs/outputs, backend, qparams, provenance."""
+    """The sidecar JSON of one artifact: how to load it, its inputs/outputs, backend, qparams, provenance.
+
+    Args:
+        artifact: the artifact written.
+        int8: the engine's int8 module it was made from.
+        example: its example inputs.
+        backend: the int8 kernel library.
+        engine: the engine's name, recorded.
+        qdq_graph: whether the engine's int8 module is a float q/dq graph (the TorchScript file then is one too).
+        dynamic_batch: whether dim 0 of the inputs is dynamic.
+        qparams: scale / zero point summaries.
+        provenance: what made the run.
+    """
     args = positional_args(int8, example)
     with torch.no_grad():
         outputs = flat_tensors(int8(*args))
@@ -226,7 +269,7 @@ def manifest(
     }[artifact.format]
     runtime = {
         "torchscript": f"torch.jit, quantized kernels for {backend} (torch.backends.quantized.engine = '{backend}')"
-        if engine == "fx" else "torch.jit of the q/dq graph (float ops with int8 q/dq simulation)",
+        if not qdq_graph else "torch.jit of the q/dq graph (float ops with int8 q/dq simulation)",
         "pt2": "torch.export ExportedProgram, float ops with int8 q/dq simulation",
         "onnx": "onnxruntime, QDQ (QuantizeLinear/DequantizeLinear) form",
     }[artifact.format]
@@ -257,6 +300,12 @@ def manifest(
 
 
 def write_manifest(path: Path, data: dict[str, Any]) -> Path:
+    """Write ``data`` as the artifact's sidecar ``<path>.json``; returns its path.
+
+    Args:
+        path: the artifact's file.
+        data: what :func:`manifest` returned.
+    """
     target = Path(str(path) + ".json")
     target.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
     return target
@@ -282,6 +331,18 @@ def export_module(
 
     Returns the artifacts and the q/dq reference module (``None`` when it could not be built).
     ``existing`` maps formats to files already written (``qlightning train`` writes the TorchScript one).
+
+    Args:
+        session: the quantization session (or a callback holding one).
+        pl_module: the LightningModule holding the converted submodule.
+        name: the submodule's name.
+        example: its example inputs.
+        directory: where to write.
+        formats: the formats to write.
+        dynamic_batch: export dim 0 of the inputs as dynamic.
+        onnx_opset: the ONNX opset (``None``: the exporter's default).
+        pt2_ops: ``aten`` or ``quantized_decomposed`` ops in the ``.pt2`` program.
+        existing: formats already written, to their files.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -337,6 +398,7 @@ def export_module(
                 example=example,
                 backend=session.backend,
                 engine=session.engine.name,
+                qdq_graph=session.engine.converts_to_qdq_graph,
                 dynamic_batch=dynamic_batch,
                 qparams=qparams,
                 provenance=provenance,
@@ -347,4 +409,9 @@ def export_module(
 
 
 def file_size(path: Optional[Path]) -> Optional[int]:
+    """The size of ``path`` in bytes, ``None`` when it does not exist.
+
+    Args:
+        path: a file, or ``None``.
+    """
     return os.path.getsize(path) if path is not None and os.path.exists(path) else None

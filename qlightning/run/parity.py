@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from qlightning.core.inputs import Inputs, first_tensor, flat_tensors
+from qlightning.core.inputs import Inputs, first_tensor, flat_tensors, input_hooks
 from qlightning.core.metrics import MAX_SQNR_DB, ratio_db, sqnr_db, summed_sqnr_db, top1_agreement  # noqa: F401  re-exported
 from qlightning.core.fidelity import _is_quant_module, layer_nodes, per_layer_sqnr, record, worst_layers  # noqa: F401  re-exported
 from qlightning.errors import QLightningError
@@ -50,30 +50,39 @@ def capture_heldout(
 
     Runs ``trainer.test`` (so the LightningModule's own ``test_step`` feeds the submodules) with a
     forward pre-hook on each target; returns an empty list for a target whose inputs were not seen.
+
+    Args:
+        pl_module: the LightningModule.
+        datamodule: the data whose test loader feeds it.
+        targets: names of the quantized submodules.
+        batches: how many test batches.
+        trainer_factory: makes a Trainer limited to that many test batches.
     """
     captured: dict[str, list[Inputs]] = {name: [] for name in targets}
-    handles = []
-    for name in targets:
 
-        def grab(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-            detach = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
-            captured[name].append(Inputs(tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}))
+    def grab(name: str, inputs: Inputs) -> None:
+        captured[name].append(Inputs(tuple(_copy(a) for a in inputs.args), {k: _copy(v) for k, v in inputs.kwargs.items()}))
 
-        handles.append(pl_module.get_submodule(name).register_forward_pre_hook(grab, with_kwargs=True))
-    try:
-        with quiet_lightning():
-            trainer_factory(batches).test(pl_module, datamodule=datamodule, verbose=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with input_hooks({name: pl_module.get_submodule(name) for name in targets}, grab), quiet_lightning():
+        trainer_factory(batches).test(pl_module, datamodule=datamodule, verbose=False)
     return captured
+
+
+def _copy(value: Any) -> Any:
+    """A tensor input detached and copied (the next batch may reuse its storage); anything else as is."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 # ---------------------------------------------------------------------------------------------- outputs
 
 
 def run_batches(fn: Callable[..., Any], batches: Sequence[tuple[Any, ...]]) -> list[torch.Tensor]:
-    """Every output tensor of ``fn`` on each batch of positional args, flattened per batch and concatenated."""
+    """Every output tensor of ``fn`` on each batch of positional args, flattened per batch and concatenated.
+
+    Args:
+        fn: the module (or callable) to run.
+        batches: its positional inputs, one tuple per call.
+    """
     per_output: list[list[torch.Tensor]] = []
     with torch.inference_mode():
         for args in batches:
@@ -100,6 +109,12 @@ class Check:
     error: Optional[str] = None
 
     def breach(self, min_sqnr_db: float, min_top1: float) -> list[str]:
+        """What this check breaches, in words (empty when it passes).
+
+        Args:
+            min_sqnr_db: the SQNR a candidate needs against its reference.
+            min_top1: the top-1 agreement it needs.
+        """
         problems = []
         if self.error:
             problems.append(self.error)
@@ -110,6 +125,7 @@ class Check:
         return problems
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data for report.json (SQNR and agreement rounded)."""
         d = asdict(self)
         d["sqnr_db"] = None if self.sqnr_db is None else round(self.sqnr_db, 3)
         d["top1_agreement"] = None if self.top1_agreement is None else round(self.top1_agreement, 5)
@@ -122,7 +138,14 @@ def compare(
     pairs: Iterable[tuple[str, str, bool]],
     errors: Optional[dict[str, str]] = None,
 ) -> list[Check]:
-    """A :class:`Check` per ``(candidate, reference, gated)`` pair; a missing candidate is a failed check."""
+    """A :class:`Check` per ``(candidate, reference, gated)`` pair; a missing candidate is a failed check.
+
+    Args:
+        module: the quantized submodule's name.
+        outputs: each candidate's and reference's outputs (``None``: it could not run).
+        pairs: ``(candidate, reference, gated)``.
+        errors: why a candidate has no outputs, by candidate.
+    """
     checks = []
     errors = errors or {}
     for candidate, reference, gated in pairs:
@@ -141,7 +164,13 @@ def compare(
 
 
 def gate(checks: Sequence[Check], min_sqnr_db: float, min_top1: float) -> list[tuple[Check, list[str]]]:
-    """The gated checks that breach a threshold (marking them failed), with what each breaches."""
+    """The gated checks that breach a threshold (marking them failed), with what each breaches.
+
+    Args:
+        checks: the checks of :func:`compare`.
+        min_sqnr_db: the SQNR a gated candidate needs.
+        min_top1: the top-1 agreement it needs.
+    """
     breaches = []
     for check in checks:
         if not check.gated:
@@ -160,7 +189,15 @@ def breach_message(
     layers: Sequence[dict[str, Any]],
     source: str,
 ) -> str:
-    """One message naming every breaching artifact and the worst layers."""
+    """One message naming every breaching artifact and the worst layers.
+
+    Args:
+        breaches: what :func:`gate` returned.
+        min_sqnr_db: the SQNR threshold.
+        min_top1: the top-1 agreement threshold.
+        layers: per-layer SQNR rows of the int8 model, worst first named.
+        source: what the inputs were, in words.
+    """
     lines = [
         f"parity gate: {len(breaches)} breach(es) (SQNR >= {min_sqnr_db:g} dB, top-1 agreement >= {min_top1:g}; "
         f"inputs: {source})"
@@ -291,7 +328,12 @@ def weight_ranges(prefix: str, int8: nn.Module) -> list[dict[str, Any]]:
 
     ``clipped`` is the share of weights at the ends of the integer range beyond the one per channel
     (per tensor) that a range fitted to the weights puts there: weights the range clipped (e.g. a
-    moving-average observer that lagged while BatchNorm folding grew the weights)."""
+    moving-average observer that lagged while BatchNorm folding grew the weights).
+
+    Args:
+        prefix: the submodule's name, prepended to each weight's name.
+        int8: the converted module.
+    """
     out = []
     for name, m in int8.named_modules():
         weight = getattr(m, "weight", None)

@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from qlightning.core.inputs import Inputs
+from qlightning.core.inputs import Inputs, input_hooks
 from qlightning.core.quiet import quiet
 from qlightning.core.session import QuantSession, session_of, set_submodule
 
@@ -44,7 +44,12 @@ CLIPPED_HIGH = 0.05
 
 
 def variant_labels(session: QuantSession, versions: Iterable[str]) -> dict[str, str]:
-    """What each variant of the report is, in words (the row names of every table and plot)."""
+    """What each variant of the report is, in words (the row names of every table and plot).
+
+    Args:
+        session: the quantization session the variants come from.
+        versions: the variants' keys (fp32, ptq, fake_quant, int8, ...).
+    """
     session = session_of(session)
     if session.kind == "ptq":
         fp32 = "float (the model before conversion)"
@@ -64,18 +69,33 @@ def variant_labels(session: QuantSession, versions: Iterable[str]) -> dict[str, 
 
 
 def label(report: dict[str, Any], variant: str) -> str:
-    """The label of ``variant`` in ``report`` (older reports without ``labels``: the key itself)."""
+    """The label of ``variant`` in ``report`` (older reports without ``labels``: the key itself).
+
+    Args:
+        report: a report (report.json's content).
+        variant: a variant's key.
+    """
     return (report.get("labels") or {}).get(variant, variant)
 
 
 def flag_worst_layers(layers: Sequence[dict[str, Any]], column: str = "int8_vs_float_sqnr_db") -> list[str]:
-    """The layers that are genuinely bad, by :data:`WORST_LAYERS_RULE` (lowest first)."""
+    """The layers that are genuinely bad, by :data:`WORST_LAYERS_RULE` (lowest first).
+
+    Args:
+        layers: per-layer rows of the report.
+        column: the SQNR column to judge by.
+    """
     rows = sorted((row[column], row["layer"]) for row in layers if row.get(column) is not None)
     return [name for value, name in rows[:WORST_LAYERS_MAX] if value < WORST_LAYERS_BELOW_DB]
 
 
 def state_dict_bytes(module: nn.Module, skip: Iterable[str] = ()) -> int:
-    """Serialized size of a module's state dict, leaving out the keys in ``skip``."""
+    """Serialized size of a module's state dict, leaving out the keys in ``skip``.
+
+    Args:
+        module: the module to measure.
+        skip: state dict keys left out.
+    """
     skip = set(skip)
     buffer = io.BytesIO()
     torch.save({k: v for k, v in module.state_dict().items() if k not in skip}, buffer)
@@ -83,7 +103,11 @@ def state_dict_bytes(module: nn.Module, skip: Iterable[str] = ()) -> int:
 
 
 def evaluation_trainer(limit_test_batches: Any = None) -> pl.Trainer:
-    """A bare CPU Trainer for the report's and the parity gate's ``trainer.test`` runs."""
+    """A bare CPU Trainer for the report's and the parity gate's ``trainer.test`` runs.
+
+    Args:
+        limit_test_batches: the Trainer's ``limit_test_batches`` (``None``: all).
+    """
     return pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -102,7 +126,12 @@ def quiet_lightning() -> Any:
 
 @contextmanager
 def swapped(pl_module: pl.LightningModule, modules: dict[str, nn.Module]) -> Iterator[None]:
-    """Temporarily put other versions of submodules into the LightningModule."""
+    """Temporarily put other versions of submodules into the LightningModule.
+
+    Args:
+        pl_module: the LightningModule.
+        modules: ``{submodule name: module}`` to put in meanwhile.
+    """
     originals = {name: pl_module.get_submodule(name) for name in modules}
     try:
         for name, module in modules.items():
@@ -119,22 +148,22 @@ def evaluate(
     datamodule: Any,
     versions: dict[str, dict[str, nn.Module]],
 ) -> tuple[dict[str, dict[str, float]], dict[str, Inputs]]:
-    """Run ``trainer.test`` once per variant; returns metrics per variant and real test inputs per target."""
+    """Run ``trainer.test`` once per variant; returns metrics per variant and real test inputs per target.
+
+    Args:
+        trainer_factory: makes the Trainer of each ``trainer.test`` run.
+        pl_module: the LightningModule.
+        datamodule: the data whose test loader is used.
+        versions: ``{variant: {submodule name: module}}``.
+    """
     metrics: dict[str, dict[str, float]] = {}
     seen: dict[str, Inputs] = {}
+    def grab(name: str, inputs: Inputs) -> None:
+        seen.setdefault(name, Inputs(tuple(a.detach() if torch.is_tensor(a) else a for a in inputs.args), inputs.kwargs))
+
     for variant, modules in versions.items():
-        handles = []
-        if not seen:
-            for name, module in modules.items():
-                def grab(mod: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-                    seen.setdefault(name, Inputs(tuple(a.detach() if torch.is_tensor(a) else a for a in args), dict(kwargs)))
-                handles.append(module.register_forward_pre_hook(grab, with_kwargs=True))
-        try:
-            with swapped(pl_module, modules), quiet_lightning():
-                results = trainer_factory().test(pl_module, datamodule=datamodule, verbose=False)
-        finally:
-            for handle in handles:
-                handle.remove()
+        with input_hooks(modules if not seen else {}, grab), swapped(pl_module, modules), quiet_lightning():
+            results = trainer_factory().test(pl_module, datamodule=datamodule, verbose=False)
         logged = results[0] if results else {}
         metrics[variant] = {key.split("/", 1)[-1].removeprefix("test_"): float(value) for key, value in logged.items()}
     return metrics, seen
@@ -154,6 +183,15 @@ def build_report(
     Latency is not measured here: :func:`qlightning.run.artifacts.export_and_check` measures every
     model once, calls interleaved, and fills ``latency_ms`` (the headline) from that measurement.
     ``batch_size``, ``repeats`` and ``threads`` are recorded as the settings of that measurement.
+
+    Args:
+        session: the quantization session (or a callback holding one).
+        pl_module: the LightningModule.
+        datamodule: the data whose test loader is used.
+        trainer_factory: makes the Trainer of each ``trainer.test`` run.
+        batch_size: the latency measurement's batch, recorded.
+        repeats: the latency measurement's repeats, recorded.
+        threads: the latency measurement's threads, recorded.
     """
     session = session_of(session)
     versions = session.variants(pl_module)
@@ -202,7 +240,11 @@ def _latency_cell(report: dict[str, Any], variant: str, none: str = "") -> str:
 
 
 def headline(report: dict[str, Any]) -> str:
-    """One sentence: how much smaller and faster int8 is than float, from the one latency measurement."""
+    """One sentence: how much smaller and faster int8 is than float, from the one latency measurement.
+
+    Args:
+        report: a report (report.json's content).
+    """
     size, lat = report["size_bytes"], report.get("latency_ms") or {}
     parts = []
     if size.get("fp32") and size.get("int8"):
@@ -221,6 +263,11 @@ def headline(report: dict[str, Any]) -> str:
 
 
 def to_markdown(report: dict[str, Any]) -> str:
+    """report.md: the metrics of every variant, with the legend and the sections of :func:`markdown_sections`.
+
+    Args:
+        report: a report (report.json's content).
+    """
     metric_names = sorted({k for m in report["metrics"].values() for k in m})
     lines = [
         f"# qlightning report",
@@ -246,7 +293,11 @@ def to_markdown(report: dict[str, Any]) -> str:
 
 
 def legend(report: dict[str, Any]) -> list[str]:
-    """What each row of the first table is, one line each."""
+    """What each row of the first table is, one line each.
+
+    Args:
+        report: a report (report.json's content).
+    """
     metrics = report["metrics"]
     out = []
     if "fp32" in metrics:
@@ -271,12 +322,23 @@ def legend(report: dict[str, Any]) -> list[str]:
 
 
 def write(report: dict[str, Any], run_dir: Path) -> None:
+    """Write report.json and report.md into ``run_dir``.
+
+    Args:
+        report: the report.
+        run_dir: the run's folder (made if missing).
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     (run_dir / "report.md").write_text(to_markdown(report))
 
 
 def print_table(report: dict[str, Any]) -> None:
+    """Print the report's metrics table to the terminal (rich).
+
+    Args:
+        report: a report (report.json's content).
+    """
     from rich.console import Console
     from rich.table import Table
 
@@ -327,7 +389,11 @@ LAYER_COLUMNS = (
 
 
 def per_layer_lines(report: dict[str, Any]) -> list[str]:
-    """The per-layer SQNR table of report.md, with what its columns measure and which layers are flagged."""
+    """The per-layer SQNR table of report.md, with what its columns measure and which layers are flagged.
+
+    Args:
+        report: a report (report.json's content).
+    """
     layers = report.get("layers") or []
     columns = [(k, h) for k, h in LAYER_COLUMNS if any(row.get(k) is not None for row in layers)]
     worst = report.get("worst_layers") or []
@@ -352,7 +418,11 @@ def per_layer_lines(report: dict[str, Any]) -> list[str]:
 
 
 def markdown_sections(report: dict[str, Any]) -> str:
-    """The report.md sections of exports, parity, per-layer SQNR, ranges, sizes and latency."""
+    """The report.md sections of exports, parity, per-layer SQNR, ranges, sizes and latency.
+
+    Args:
+        report: a report (report.json's content).
+    """
     lines: list[str] = []
     exports = report.get("exports") or {}
     if exports:

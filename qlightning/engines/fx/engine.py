@@ -20,6 +20,7 @@ from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_to
 from qlightning.engines.fx.prepare import faster_prepare
 from qlightning.engines.fx.weights import default_qat_qconfig_mapping
 from qlightning.engines.fx.fast_fq import restore_fake_quant, swap_fake_quant
+from qlightning.engines.fx.qconfig_builder import QConfigBuilder, check_against_model
 from qlightning.engines.fx.qconfigs import clamp_quantized_weights
 from qlightning.engines.fx.reference import CLAMP_META, reference_module
 from qlightning.errors import TraceError
@@ -227,6 +228,12 @@ class FxEngine(QuantEngine):
 
     name = "fx"
     compiles_training = True
+    ptq_modes = ("static", "dynamic", "weight_only")
+    equalizes_inputs_and_weights = True
+    keeps_module_names = True
+    spawn_hand_over = True
+    pickles_without_prepared = True  # their qconfigs hold a local function
+    dry_run_by_default = True
 
     def converted_here(self, module: nn.Module) -> bool:
         for node in getattr(getattr(module, "graph", None), "nodes", ()):
@@ -243,8 +250,6 @@ class FxEngine(QuantEngine):
 
     def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
         from dataclasses import replace
-
-        from qlightning.config.qconfig import QConfigBuilder
 
         def is_data(value: Any) -> bool:
             return value is None or isinstance(value, (str, dict, list)) or type(value).__module__.startswith("omegaconf")
@@ -277,8 +282,6 @@ class FxEngine(QuantEngine):
         return replace(spec, options=options, **resolved)
 
     def check_spec_against_model(self, spec: QuantSpec, modules: dict[str, nn.Module]) -> list[str]:
-        from qlightning.config.qconfig import check_against_model
-
         return check_against_model(modules, spec.options.get("plain", {}))
 
     def default_qconfig_mapping(self, spec: QuantSpec) -> Any:

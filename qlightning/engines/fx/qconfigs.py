@@ -1,7 +1,7 @@
 """torch.ao QConfig / QConfigMapping helpers for the Python API: low-bit weights, dynamic and
 weight-only post-training quantization, and the PTQ counterpart of a QAT mapping.
 
-These are the Python-side twins of the plain-data builders in :mod:`qlightning.config.qconfig`
+These are the Python-side twins of the plain-data builders in :mod:`qlightning.engines.fx.qconfig_builder`
 (whose ``w4a8`` preset is the same idea in YAML). Everything here returns native torch.ao objects
 that :class:`~qlightning.QuantizationAwareTraining` and
 :class:`~qlightning.callbacks.ptq.PostTrainingQuantization` accept as ``qconfig_mapping=``.

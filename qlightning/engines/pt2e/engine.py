@@ -47,6 +47,7 @@ from torch import nn
 from qlightning.engines.base import (
     Inputs, QuantEngine, QuantSpec, ZeroCenteredWeightRange, check_batch_norm_gammas, current_range_weight_ctr, settle_fake_quant_state, trained_qparams,
 )
+from qlightning.engines.names import plain, resolve_reference
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
 from qlightning.core.schedule import Phase
 
@@ -668,8 +669,6 @@ class Pt2eEngine(QuantEngine):
         ``dynamic``, ``reduce_range`` (for CPUs without VNNI) or ``null``. Presets, observer specs,
         regexes and call-order entries are FX features and are refused, naming the FX engine.
         """
-        from qlightning.config.qconfig import plain, resolve_reference
-
         data = plain(data)
         data = {"global": data} if isinstance(data, str) or data is None else data
         quantizer = self.ao.X86InductorQuantizer()

@@ -28,9 +28,10 @@ import re
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from qlightning.config.allowlist import NotAllowed, not_allowed_message, resolve_object
+from qlightning.engines.fx.weights import default_qat_qconfig, default_qat_qconfig_mapping
+from qlightning.engines.names import close, plain, resolve_reference
 
 OBSERVERS = {
     "minmax": "MinMaxObserver",
@@ -63,39 +64,11 @@ NATIVE_PRESETS = ("default", "float16_static", "float16_dynamic", "dynamic", "we
 MAPPING_KEYS = ("global", "object_type", "module_name", "module_name_regex", "module_name_object_type_order")
 
 
-def plain(node: Any) -> Any:
-    """OmegaConf nodes and enums to plain Python containers."""
-    if isinstance(node, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
-    return node
-
-
-def close(value: str, choices: Iterable[str]) -> str:
-    match = difflib.get_close_matches(str(value), list(choices), n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
-def resolve_reference(path: Any, key: str, errors: list[str], trusted: Iterable[str] = (), object_type: bool = False,
-                      kind: Optional[str] = None) -> Any:
-    """The class or function ``a.b.C`` names, checked by identity (:mod:`qlightning.config.allowlist`).
-
-    ``kind`` is ``object_type`` (a qconfig key: module class or quantizable function),
-    ``module_class`` (non-traceable / standalone / custom-module classes) or ``observer``; the
-    object is imported without side effects and never called here.
-    """
-    kind = kind or ("object_type" if object_type else "module_class")
-    try:
-        return resolve_object(path, kind, trusted)
-    except NotAllowed as exc:
-        errors.append(not_allowed_message(key, path, exc, kind))
-        return None
-
-
 def load_presets() -> dict[str, dict]:
     """The shipped qconfig presets in ``qlightning/config/qconfig_presets/*.yaml``, by file name.
 
     They are preset data, not a Hydra config group (a group would be listed by ``qlightning train --help``
-    without being selectable): a config names them in ``quant.qconfig_mapping``.
+    without being selectable): a config or Python names them in a plain-data ``qconfig_mapping``. Read as package data of :mod:`qlightning.config` (no code of it is imported).
     """
     presets = {}
     for item in importlib.resources.files("qlightning.config").joinpath("qconfig_presets").iterdir():
@@ -115,10 +88,7 @@ class QConfigBuilder:
         self.trusted = list(trusted)
         from torch.ao import quantization as tq
 
-        from qlightning.engines.fx.weights import default_qat_qconfig, default_qat_qconfig_mapping
-
         self.tq = tq
-        self.default_qat_qconfig, self.default_qat_qconfig_mapping = default_qat_qconfig, default_qat_qconfig_mapping
 
     # ---------------------------------------------------------------- one observer / fake-quant
     def observer(self, spec: Any, key: str, errors: list[str]) -> Any:
@@ -206,7 +176,7 @@ class QConfigBuilder:
             return None
         if isinstance(spec, str):
             if spec == "default":
-                return (self.default_qat_qconfig if self.is_qat else self.tq.get_default_qconfig)(self.backend)
+                return (default_qat_qconfig if self.is_qat else self.tq.get_default_qconfig)(self.backend)
             native = {
                 "float16_static": "float16_static_qconfig",
                 "float16_dynamic": "float16_dynamic_qconfig",
@@ -295,7 +265,7 @@ class QConfigBuilder:
             errors.append(f"{key}: unknown key(s) {unknown}; valid: {list(MAPPING_KEYS)}")
         if spec.get("global", "default") == "default":
             # start from the backend's own default mapping (fixed-qparams ops such as sigmoid included)
-            mapping = (self.default_qat_qconfig_mapping if self.is_qat else self.tq.get_default_qconfig_mapping)(self.backend)
+            mapping = (default_qat_qconfig_mapping if self.is_qat else self.tq.get_default_qconfig_mapping)(self.backend)
         else:
             mapping.set_global(self.qconfig(spec.get("global"), f"{key}.global", errors))
         for i, item in enumerate(spec.get("object_type") or []):
@@ -460,12 +430,20 @@ def _names(modules: Mapping[str, torch.nn.Module]) -> list[str]:
     return sorted({n for m in modules.values() for n, _ in m.named_modules() if n})
 
 
-def check_against_model(modules: Mapping[str, torch.nn.Module], spec: Mapping[str, Any], prefix: str = "quant") -> list[str]:
+#: what :func:`check_against_model` calls the two sections: the callbacks' argument names (the config
+#: layer passes its own key paths, see :data:`qlightning.config.validate.QUANT_KEYS`)
+ARGUMENT_NAMES = {"qconfig_mapping": "qconfig_mapping", "prepare": "prepare_custom_config"}
+
+
+def check_against_model(modules: Mapping[str, torch.nn.Module], spec: Mapping[str, Any],
+                        keys: Mapping[str, str] = ARGUMENT_NAMES) -> list[str]:
     """Entries that match nothing in the quantized submodules, with the closest real names.
 
-    ``modules`` maps each quantized submodule's name to the module; names in the config are
-    relative to it (as FX sees them). ``spec`` holds the plain-data ``qconfig_mapping``,
-    ``prepare`` and ``convert`` sections.
+    Args:
+        modules: each quantized submodule's name to the module; names in the spec are relative to it
+            (as FX sees them).
+        spec: the plain-data ``qconfig_mapping``, ``prepare`` and ``convert`` sections.
+        keys: the names the messages give the ``qconfig_mapping`` and ``prepare`` sections.
     """
     errors: list[str] = []
     names = _names(modules)
@@ -481,35 +459,35 @@ def check_against_model(modules: Mapping[str, torch.nn.Module], spec: Mapping[st
     if isinstance(mapping, Mapping):
         for i, item in enumerate(mapping.get("module_name") or []):
             if isinstance(item, Mapping) and "name" in item:
-                unmatched(f"{prefix}.qconfig_mapping.module_name[{i}].name", str(item["name"]), str(item["name"]) in names)
+                unmatched(f"{keys['qconfig_mapping']}.module_name[{i}].name", str(item["name"]), str(item["name"]) in names)
         for i, item in enumerate(mapping.get("module_name_regex") or []):
             if isinstance(item, Mapping) and "regex" in item:
                 try:
                     pattern = re.compile(str(item["regex"]))
                 except re.error:
                     continue
-                unmatched(f"{prefix}.qconfig_mapping.module_name_regex[{i}].regex", str(item["regex"]),
+                unmatched(f"{keys['qconfig_mapping']}.module_name_regex[{i}].regex", str(item["regex"]),
                           any(pattern.match(n) for n in names))
         for i, item in enumerate(mapping.get("object_type") or []):
             path = item.get("type") if isinstance(item, Mapping) else None
             if isinstance(path, str) and not path.startswith(("torch.nn.functional.", "operator.")) and path.count(".") >= 2:
                 resolved = resolve_reference(path, "", [], object_type=True)
                 if isinstance(resolved, type) and issubclass(resolved, torch.nn.Module) and not any(issubclass(t, resolved) for t in types):
-                    errors.append(f"{prefix}.qconfig_mapping.object_type[{i}].type={path!r}: no module of this type in {sorted(modules)}; "
+                    errors.append(f"{keys['qconfig_mapping']}.object_type[{i}].type={path!r}: no module of this type in {sorted(modules)}; "
                                   f"types present: {sorted(p for p in type_paths if p.startswith('torch.nn.modules'))[:8]}")
     prepare = plain(spec.get("prepare")) or {}
     for key in ("non_traceable_module_names", "standalone_module_names"):
         for i, name in enumerate(prepare.get(key) or []):
-            unmatched(f"{prefix}.prepare.{key}[{i}]", str(name), str(name) in names)
+            unmatched(f"{keys['prepare']}.{key}[{i}]", str(name), str(name) in names)
     for key in ("non_traceable_module_classes", "standalone_module_classes"):
         for i, path in enumerate(prepare.get(key) or []):
             cls = resolve_reference(path, "", [], object_type=True) if isinstance(path, str) else None
             if isinstance(cls, type) and not any(issubclass(t, cls) for t in types):
-                errors.append(f"{prefix}.prepare.{key}[{i}]={path!r}: no module of this class in {sorted(modules)}")
+                errors.append(f"{keys['prepare']}.{key}[{i}]={path!r}: no module of this class in {sorted(modules)}")
     for quant_type, pairs in (prepare.get("float_to_observed") or {}).items():
         for float_path, _ in _pairs(pairs, ("float", "observed"), "", []):
             cls = resolve_reference(float_path, "", [], object_type=True)
             if isinstance(cls, type) and not any(issubclass(t, cls) for t in types):
-                errors.append(f"{prefix}.prepare.float_to_observed.{quant_type}: custom module class {float_path!r} "
+                errors.append(f"{keys['prepare']}.float_to_observed.{quant_type}: custom module class {float_path!r} "
                               f"does not occur in {sorted(modules)}")
     return errors
