@@ -292,7 +292,11 @@ def check_batch_norm_gammas(module: nn.Module) -> None:
 
 def is_fused_fake_quant(m: nn.Module) -> bool:
     """torch.ao's or torchao's ``FusedMovingAvgObsFakeQuantize`` (or a subclass such as the default
-    weight fake-quants, :class:`ZeroCenteredWeightRange`): the modules ``torch.fused_moving_avg_obs_fake_quant`` runs."""
+    weight fake-quants, :class:`ZeroCenteredWeightRange`): the modules ``torch.fused_moving_avg_obs_fake_quant`` runs.
+
+    Args:
+        m: any module.
+    """
     return any(c.__name__ == "FusedMovingAvgObsFakeQuantize" for c in type(m).__mro__)
 
 
@@ -305,6 +309,9 @@ def straddle_zero_(observer: nn.Module) -> None:
     first conv kept 46 % zero int8 weights of 66 %; MiniLM PT2E int8 parted from its q/dq reference at 13.6 dB.
     Moving the zero end by the smallest normal float changes nothing else: a range that already straddles
     zero is left bit for bit, and an all-zero channel gets the op's 0.1 fallback scale with zero point 0.
+
+    Args:
+        observer: a min/max observer that has observed (finite ``min_val`` / ``max_val``).
     """
     tiny = torch.finfo(observer.min_val.dtype).tiny
     observer.min_val.clamp_(max=-tiny)
@@ -316,7 +323,14 @@ _OFF = torch.zeros(1, dtype=torch.long)
 
 
 def fused_fake_quant(fq: nn.Module, X: torch.Tensor, observe: torch.Tensor, fake_quant: torch.Tensor) -> torch.Tensor:
-    """``torch.fused_moving_avg_obs_fake_quant`` on ``fq``'s own buffers with the given flags."""
+    """``torch.fused_moving_avg_obs_fake_quant`` on ``fq``'s own buffers with the given flags.
+
+    Args:
+        fq: a fused moving-average fake-quant (:func:`is_fused_fake_quant`).
+        X: the tensor to observe and/or fake-quantize.
+        observe: 1-element long tensor, 1 to move the running min/max.
+        fake_quant: 1-element long tensor, 1 to fake-quantize (else ``X`` is returned as a copy).
+    """
     obs = fq.activation_post_process
     return torch.fused_moving_avg_obs_fake_quant(
         X, observe, fake_quant, obs.min_val, obs.max_val, fq.scale, fq.zero_point, obs.averaging_constant,
@@ -341,6 +355,11 @@ class ZeroCenteredWeightRange:
     straddles_zero = True
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
+        """The parent's forward; when observing a symmetric range, observe, straddle zero, then fake-quantize.
+
+        Args:
+            X: the weight (or tensor) to fake-quantize.
+        """
         if not self.is_symmetric_quant or int(self.observer_enabled[0]) != 1:
             return super().forward(X)  # type: ignore[misc]
         with torch.no_grad():
