@@ -62,7 +62,8 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
         observer_freeze: when observers stop updating; ``None`` = never.
         bn_freeze: when BatchNorm running statistics freeze; ``None`` = never.
         qconfig_mapping: the engine's native qconfig mapping (FX: ``QConfigMapping``); ``None``
-            uses the backend's default QAT mapping.
+            uses the backend's default QAT mapping with the weight fake-quants on the current weights'
+            range, centred on zero (``qlightning.engines.fx.weights``; a lagging range collapsed short runs).
         prepare_custom_config: native prepare custom config (FX: ``PrepareCustomConfig``).
         convert_custom_config: native convert custom config (FX: ``ConvertCustomConfig``).
         backend_config: native ``BackendConfig``; ``None`` uses the backend's own.
