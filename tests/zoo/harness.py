@@ -97,6 +97,13 @@ _ZERO_GAMMA = {
 KNOWN: dict[tuple[str, str], dict[str, Any]] = {
     ("timm_resnet10t", "fx"): _ZERO_GAMMA,
     ("timm_resnet10t", "pt2e"): _ZERO_GAMMA,
+    ("efficientnet_b0", "fx"): {
+        "status": "below target",
+        "says": _GATE_NAMES_THE_ROUTE,
+        "note": "int8 vs fake-quant 14 dB (top-1 agreement 100 %) since the default weight ranges track the current "
+                "weights on conv-bn (200 dB with torch.ao's averaged ranges); the gate names the classifier; "
+                "cause not found yet (notes/defaults.md)",
+    },
     ("mobilenet_v3_small", "fx"): {
         "status": "below target",
         "says": _GATE_NAMES_THE_ROUTE,
