@@ -127,6 +127,7 @@ def load_torchao() -> SimpleNamespace:
         Quantizer=Quantizer,
         X86InductorQuantizer=X86InductorQuantizer,
         x86_config=x86_config,
+        get_default_x86_inductor_quantization_config=get_default_x86_inductor_quantization_config,
         fake_quant_types=fake_quant_types,
         observer_types=observer_types,
     )
@@ -687,9 +688,12 @@ class Pt2eEngine(QuantEngine):
 
         for key in sorted(set(data) - {"global", "object_type", "module_name"}):
             errors.append(f"qconfig_mapping.{key}: not supported by the pt2e engine; use engine='fx'")
-        global_config = config(data.get("global", "default"), "qconfig_mapping.global")
+        global_value = data.get("global", "default")
+        global_config = config(global_value, "qconfig_mapping.global")
         if global_config is not None:
             quantizer.set_global(global_config)
+            if is_qat and isinstance(global_value, str):
+                self._average_linear_ranges(quantizer, global_value)
         for i, item in enumerate(data.get("object_type") or []):
             key = f"qconfig_mapping.object_type[{i}]"
             target = resolve_reference(item.get("type"), f"{key}.type", errors, trusted, object_type=True)
@@ -703,6 +707,21 @@ class Pt2eEngine(QuantEngine):
             key = f"qconfig_mapping.module_name[{i}]"
             quantizer.set_module_name_qconfig(str(item.get("name")), config(item.get("qconfig"), f"{key}.qconfig"))
         return quantizer
+
+    def _average_linear_ranges(self, quantizer: Any, variant: str) -> None:
+        """``nn.Linear`` weights keep torchao's averaged range (the default QAT config's other weights take the
+        current one): with current ranges every channel's largest weight sits at +-127, and on x86 CPUs without
+        VNNI the u8 x s8 kernels add pairs of products in int16, which then overflow: MiniLM's int8 parted from its
+        q/dq reference at 13.6 dB (``minilm_pt2e`` recipe). The FX engine keeps plain Conv / Linear averaged too.
+
+        Args:
+            quantizer: the ``X86InductorQuantizer`` whose global config is the tracked default.
+            variant: ``default``, ``dynamic`` or ``reduce_range`` (the global's variant).
+        """
+        variants = {"default": {}, "dynamic": {"is_dynamic": True}, "reduce_range": {"reduce_range": True}}
+        if variant in variants:
+            averaged = self.ao.get_default_x86_inductor_quantization_config(is_qat=True, **variants[variant])
+            quantizer.set_module_type_qconfig(nn.Linear, averaged)
 
     def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
         from dataclasses import replace
@@ -722,6 +741,8 @@ class Pt2eEngine(QuantEngine):
         else:
             quantizer = self.ao.X86InductorQuantizer()
             quantizer.set_global(self.ao.x86_config(is_qat=spec.is_qat))
+            if spec.is_qat:
+                self._average_linear_ranges(quantizer, "default")
         if spec.options.get("quantize_embeddings", False):
             # weight-only uint8 rows (per-row float scale and offset) for aten.embedding, which
             # X86InductorQuantizer leaves float; a language model's embedding tables are often half its size
