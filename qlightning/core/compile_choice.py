@@ -87,6 +87,7 @@ class CompileDecider:
 
     @property
     def pending(self) -> bool:
+        """Whether no choice has been made yet (``auto`` still timing steps)."""
         return self.choice is None
 
     def add_step(self, seconds: float) -> None:

@@ -126,6 +126,7 @@ class ModuleFidelity:
 
     @property
     def passed(self) -> bool:
+        """Whether the comparison found no problem (no breach, no crash)."""
         return not self.problems
 
     def to_dict(self) -> dict[str, Any]:

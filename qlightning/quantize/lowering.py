@@ -269,6 +269,7 @@ class LoweringChoice:
 
     @property
     def passed(self) -> list[str]:
+        """The candidates in ``latency_ms`` that have no entry in ``errors``."""
         return [n for n in self.latency_ms if n not in self.errors]
 
     def speedup_over(self, other: str) -> Optional[float]:

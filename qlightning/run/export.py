@@ -71,6 +71,7 @@ class Artifact:
 
     @property
     def key(self) -> str:
+        """``<module>:<format>``, the artifact's name in the report."""
         return f"{self.module}:{self.format}"
 
     def to_dict(self, root: Optional[Path] = None) -> dict[str, Any]:
