@@ -106,7 +106,7 @@ class QConfigBuilder:
 
         Args:
             spec: ``{observer, dtype, qscheme, quant_min, quant_max, fake_quant, ...}``; without
-                ``quant_min``/``quant_max`` the range is the integer dtype's.
+                ``quant_min``/``quant_max`` an integer dtype (other than quint4x2) gets its full range.
             key: the config key, for messages.
             errors: list the problems are appended to.
         """
