@@ -34,6 +34,15 @@ COMMANDS = ("train", "recipes", "doctor", "export", "report")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``qlightning`` console script: run one subcommand and return its exit status.
+
+    A configuration error prints one message and returns 2; any other exception is an internal error
+    (:func:`~qlightning.cli.console.internal_error`, 1) unless ``--debug`` shows its traceback.
+
+    Args:
+        argv: the command line after the program name; ``None`` uses ``sys.argv[1:]``. ``--debug`` is
+            taken out of it and sets ``QLIGHTNING_DEBUG=1`` and ``HYDRA_FULL_ERROR=1``.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in args:
         args = [a for a in args if a != "--debug"]

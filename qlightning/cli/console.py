@@ -67,7 +67,12 @@ def debugging() -> bool:
 
 
 def internal_error(exc: BaseException, prog: str = "qlightning") -> int:
-    """One line for an unexpected exception (no traceback unless debugging); exit status 1."""
+    """One line for an unexpected exception (no traceback unless debugging); exit status 1.
+
+    Args:
+        exc: the exception; re-raised when :func:`debugging`, else printed to stderr (first 500 characters).
+        prog: the program name the line starts with.
+    """
     if debugging():
         raise exc
     text = " ".join(str(exc).split())[:500]

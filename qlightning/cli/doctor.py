@@ -51,6 +51,16 @@ def _is_recipe(target: str) -> Optional[str]:
 
 
 def main(argv: Sequence[str]) -> int:
+    """``qlightning doctor``: report which submodules FX can trace and the route for the others.
+
+    Args:
+        argv: the command line after ``doctor``: ``pkg.mod:Class`` or ``recipe=NAME|PATH`` with its
+            overrides, and ``--json``, ``--no-inputs``, ``--dry-run`` / ``--no-dry-run``.
+
+    Returns:
+        0 when all is well; 1 on a config problem or a configured submodule that does not trace; 2 when
+        the target cannot be loaded or its config is invalid.
+    """
     parser = argparse.ArgumentParser(
         prog="qlightning doctor",
         description="Trace every candidate submodule with torch.fx (top down) and say which route of the FX guide "

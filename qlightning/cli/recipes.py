@@ -17,6 +17,13 @@ def validate(name_or_path: str, overrides: Sequence[str] = ()) -> list[str]:
     """Every problem of a recipe, without training: schema, allowlist, schedule, module names.
 
     Builds the model (to check module names) but loads no data.
+
+    Args:
+        name_or_path: the recipe's name or file path.
+        overrides: extra Hydra overrides, as for ``qlightning train``.
+
+    Returns:
+        The problems; empty when the recipe is valid.
     """
     from qlightning.config.compose import compose_config
     from qlightning.config.validate import validate_config
@@ -29,7 +36,12 @@ def validate(name_or_path: str, overrides: Sequence[str] = ()) -> list[str]:
 
 
 def from_checkpoint(path: str) -> str:
-    """The resolved config, recipe identity and library versions stored in a QAT checkpoint, as YAML."""
+    """The resolved config, recipe identity and library versions stored in a QAT checkpoint, as YAML.
+
+    Args:
+        path: the checkpoint file (loaded with ``weights_only=True``); a missing file, or one without
+            qlightning provenance, raises :class:`~qlightning.errors.ConfigError`.
+    """
     import torch
     from omegaconf import OmegaConf
 
@@ -55,6 +67,14 @@ def from_checkpoint(path: str) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
+    """``qlightning recipes list | show | validate | cp | diff``.
+
+    Args:
+        argv: the command line after ``recipes``.
+
+    Returns:
+        0 on success; 1 when ``validate`` finds problems or ``cp`` would overwrite; 2 on a config error.
+    """
     parser = argparse.ArgumentParser(prog="qlightning recipes", description="Shared recipes: list, show, validate, copy, diff.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="every recipe with where it comes from and the command that runs it")

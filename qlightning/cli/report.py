@@ -22,6 +22,9 @@ def render(run_dir: Path) -> dict[str, Any]:
     """Rewrite ``report.md`` and ``plots/*.png`` of a run directory from its ``report.json``; returns the report.
 
     ``report.json`` itself is rewritten only when the plots made differ from the ones it lists.
+
+    Args:
+        run_dir: a run directory or a ``qlightning export`` directory holding ``report.json``.
     """
     from qlightning.run import plots
     from qlightning.run.report import SECTION_MARK, markdown_sections, to_markdown
@@ -44,6 +47,14 @@ def render(run_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str]) -> int:
+    """``qlightning report RUN_DIR [--write]``: print a run's report; with ``--write`` render it again.
+
+    Args:
+        argv: the command line after ``report``.
+
+    Returns:
+        0 on success; 1 if report.json cannot be rendered; 2 if the directory has no report.json.
+    """
     parser = argparse.ArgumentParser(
         prog="qlightning report",
         description="Show the report of a run directory (read-only); --write renders report.md and the PNG plots again.",

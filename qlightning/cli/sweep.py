@@ -14,6 +14,10 @@ def comparison_table(sweep_dir: Path) -> str:
     """Markdown table of every run's overrides, int8 and float-snapshot metrics, size and latency.
 
     The ``fp32`` metrics of a QAT run are the float snapshot at fake-quant start, not a float baseline.
+
+    Args:
+        sweep_dir: the multirun's directory; each ``*/report.json`` is one row, and its
+            ``.hydra/overrides.yaml`` gives the overrides.
     """
     rows = []
     for report_path in sorted(sweep_dir.glob("*/report.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
@@ -43,6 +47,12 @@ class CompareRuns(Callback):
     """Writes ``comparison.md`` into the sweep directory when a multirun ends."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Write :func:`comparison_table` to ``<sweep dir>/comparison.md`` and print it.
+
+        Args:
+            config: the multirun's config (``hydra.sweep.dir`` locates the runs).
+            kwargs: anything else Hydra passes; unused.
+        """
         sweep_dir = Path(config.hydra.sweep.dir)
         table = comparison_table(sweep_dir)
         (sweep_dir / "comparison.md").write_text(table)

@@ -20,7 +20,15 @@ _state: dict = {}
 
 
 def prepare_overrides(overrides: Sequence[str]) -> tuple[list[str], Optional[recipes_registry.Recipe]]:
-    """Resolve ``recipe=NAME|PATH``: check the recipe as data and register it for Hydra."""
+    """Resolve ``recipe=NAME|PATH``: check the recipe as data and register it for Hydra.
+
+    Args:
+        overrides: the ``qlightning train`` command line; a ``recipe=`` item is rewritten to the recipe's
+            name, and ``~model`` / ``~data`` are added for groups the recipe replaces (unless chosen).
+
+    Returns:
+        ``(overrides for Hydra, the recipe or None)``.
+    """
     out, recipe = [], None
     chosen = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     for item in overrides:
@@ -72,6 +80,15 @@ def _precheck(overrides: Sequence[str], recipe: Optional[recipes_registry.Recipe
 
 
 def main(argv: Sequence[str]) -> int:
+    """``qlightning train``: check the overrides (all schema errors at once), then run the Hydra app.
+
+    Args:
+        argv: Hydra overrides and flags (``-m``, ``--help``, ``--cfg``, ... skip the precheck).
+
+    Returns:
+        0 after the Hydra app returns; 2 on a configuration error found before it starts (errors inside
+        the app exit the process with their own status).
+    """
     try:
         overrides, recipe = prepare_overrides(argv)
         if not any(a in ("-m", "--multirun", "--help", "-h", "--hydra-help", "--info") or a.startswith("--cfg") for a in argv):

@@ -48,7 +48,13 @@ def _example_inputs(node: Any, errors: list[str]) -> dict[str, Inputs]:
 
 
 def callback_kwargs(quant: DictConfig, errors: list[str], trusted: Any = ()) -> dict[str, Any]:
-    """Keyword arguments of :class:`QuantizationAwareTraining` from ``cfg.quant``."""
+    """Keyword arguments of :class:`QuantizationAwareTraining` from ``cfg.quant``.
+
+    Args:
+        quant: the ``quant`` section of the composed config.
+        errors: list that problems with ``quant.example_inputs`` are appended to.
+        trusted: module names the user trusts (passed as ``trusted_modules``).
+    """
     return {
         "modules": list(quant.modules),
         "backend": _enum_value(quant.backend),
@@ -121,7 +127,11 @@ ADVICE = {
 
 def config_keys(message: str) -> str:
     """A callback or engine message with its argument names as config keys (``engine='fx'`` -> ``quant.engine=fx``)
-    and its advice in command-line terms."""
+    and its advice in command-line terms.
+
+    Args:
+        message: the message; one that already starts with ``quant.`` only has its advice rewritten.
+    """
     for said, cli in ADVICE.items():
         message = message.replace(said, cli)
     if message.startswith("quant."):
@@ -137,7 +147,12 @@ def config_keys(message: str) -> str:
 
 
 def build_callback(cfg: DictConfig) -> Any:
-    """The quantization callback of a config (QAT or PTQ); all problems in one :class:`ConfigError`."""
+    """The quantization callback of a config (QAT or PTQ); all problems in one :class:`ConfigError`.
+
+    Args:
+        cfg: the composed config; ``quant.method`` picks :class:`PostTrainingQuantization` (``ptq``) or
+            :class:`QuantizationAwareTraining`, and ``trusted_modules`` is passed on.
+    """
     errors: list[str] = []
     kwargs = callback_kwargs(cfg.quant, errors, cfg.get("trusted_modules", []))
     ptq = cfg.quant.ptq
@@ -165,6 +180,15 @@ def build_callback(cfg: DictConfig) -> Any:
 
 
 def check_targets(cfg: DictConfig) -> list[str]:
+    """Problems with what the config would instantiate: ``data`` and ``model`` need a ``_target_``, and
+    every class path must be allowed (:func:`~qlightning.config.allowlist.check_class_paths`).
+
+    Args:
+        cfg: the composed config (its ``trusted_modules`` are trusted too).
+
+    Returns:
+        One message per problem; empty when all is well.
+    """
     errors = []
     for group in ("data", "model"):
         node = cfg.get(group)
@@ -175,6 +199,12 @@ def check_targets(cfg: DictConfig) -> list[str]:
 
 
 def instantiate_checked(node: DictConfig, key: str) -> Any:
+    """Hydra ``instantiate`` of ``node`` (``_convert_="all"``); a failure becomes one :class:`ConfigError`.
+
+    Args:
+        node: the config node with a ``_target_``.
+        key: the node's config key, for the message.
+    """
     try:
         return instantiate(node, _convert_="all")
     except Exception as exc:

@@ -32,7 +32,11 @@ WEIGHT_NAMES = ("weight", "bias", "running_mean", "running_var", "weight_ih_l0",
 
 
 def is_remote(path: str) -> bool:
-    """A URL with a protocol (``http://``, ``s3://``, ``file://``, ...), which fsspec would fetch."""
+    """A URL with a protocol (``http://``, ``s3://``, ``file://``, ...), which fsspec would fetch.
+
+    Args:
+        path: the ``ckpt_path`` as given; ``registry:`` and ``hf:`` prefixes count as remote too.
+    """
     return "://" in path or path.startswith(("registry:", "hf:"))
 
 
@@ -42,7 +46,15 @@ def _first_line(exc: BaseException) -> str:
 
 
 def download(url: str, key: str) -> tuple[Optional[Path], list[str]]:
-    """Fetch ``url`` into a fresh temporary file (bytes only; nothing is unpickled here)."""
+    """Fetch ``url`` into a fresh temporary file (bytes only; nothing is unpickled here).
+
+    Args:
+        url: what fsspec fetches; more than ``MAX_DOWNLOAD_BYTES`` is refused.
+        key: the config key, for messages.
+
+    Returns:
+        ``(local file, [])``, or ``(None, [message])`` when the download failed or was refused.
+    """
     try:
         import fsspec
 
@@ -62,7 +74,16 @@ def download(url: str, key: str) -> tuple[Optional[Path], list[str]]:
 
 
 def load_plain(path: Path, key: str) -> tuple[Optional[dict], list[str]]:
-    """The checkpoint dict read with ``weights_only=True``, or the problem in one message."""
+    """The checkpoint dict read with ``weights_only=True``, or the problem in one message.
+
+    Args:
+        path: the checkpoint file (read on the CPU).
+        key: the config key, for messages.
+
+    Returns:
+        ``(checkpoint, [])``, or ``(None, [message])`` for a missing, unreadable, non-plain or
+        non-Lightning (no ``state_dict``) file.
+    """
     import pickle
 
     import torch
@@ -88,7 +109,14 @@ def load_plain(path: Path, key: str) -> tuple[Optional[dict], list[str]]:
 
 
 def quant_state(checkpoint: dict) -> tuple[Optional[str], dict]:
-    """``(callback name, state)`` of the qlightning callback saved in a Lightning checkpoint."""
+    """``(callback name, state)`` of the qlightning callback saved in a Lightning checkpoint.
+
+    Args:
+        checkpoint: the loaded checkpoint dict (its ``callbacks`` entry is searched).
+
+    Returns:
+        ``("QuantizationAwareTraining" or "PostTrainingQuantization", state)``, or ``(None, {})`` if neither is saved.
+    """
     for name, value in (checkpoint.get("callbacks") or {}).items():
         for cls in ("QuantizationAwareTraining", "PostTrainingQuantization"):
             if str(name).startswith(cls) and isinstance(value, dict):
@@ -124,6 +152,7 @@ def check_checkpoint(cfg: DictConfig, model: Optional[Any], make_callback: Calla
         model: the LightningModule the config builds (left untouched: a copy is prepared); ``None``
             checks the path and the file only.
         make_callback: builds a fresh quantization callback of the config (to prepare the copy).
+        key: the config key, for messages.
     """
     value = cfg.get("ckpt_path")
     if value is None:

@@ -22,6 +22,10 @@ def compose_config(overrides: Sequence[str] = (), recipe: Optional[str] = None) 
     """The composed ``train`` config for ``overrides`` (+ a recipe by name or path).
 
     Schema errors (unknown keys, wrong types, bad enum values) become :class:`ConfigError`.
+
+    Args:
+        overrides: Hydra command-line overrides (``key=value``, ``+key=value``, ``~key``).
+        recipe: a recipe's name or path; its groups replace the defaults that ``overrides`` do not choose.
     """
     overrides = list(overrides)
     if recipe is not None:
@@ -105,6 +109,10 @@ def schema_errors(untyped: DictConfig, with_paths: bool = False) -> Any:
     """Check each value of an untyped config against :class:`TrainConfig` on its own.
 
     Returns the problems, or with ``with_paths`` ``(problems, key paths of the bad values)``.
+
+    Args:
+        untyped: the config composed without the schema (its ``hydra`` node is ignored).
+        with_paths: also return the dotted key paths of the values that failed.
     """
     schema = OmegaConf.structured(TrainConfig)
     container = OmegaConf.to_container(untyped, resolve=False)

@@ -42,7 +42,12 @@ def _set(quant: Any, key: str) -> bool:
 
 
 def explain(exc: DryRunError, quant: Any) -> str:
-    """One message for a failed dry run: the config key, what the engine said, and the fix."""
+    """One message for a failed dry run: the config key, what the engine said, and the fix.
+
+    Args:
+        exc: the dry run's failure (its stage, target and cause).
+        quant: the config's ``quant`` section; the key blamed is the first of the stage's keys that is set.
+    """
     cause = exc.cause
     said = " ".join(str(cause).split())[:400]
     fused = _FUSION.search(str(cause))
@@ -93,7 +98,12 @@ def dry_run_problems(cfg: DictConfig, callback: Any, model: Any, batch_source: O
 
 
 def first_batch(cfg: DictConfig) -> Callable[[], Any]:
-    """A callable returning one training batch of ``cfg.data`` (the data module is built only if called)."""
+    """A callable returning one training batch of ``cfg.data`` (the data module is built only if called).
+
+    Args:
+        cfg: the composed config whose ``data`` node builds the data module (``prepare_data``,
+            ``setup("fit")``, first batch of the train loader).
+    """
 
     def batch() -> Any:
         from qlightning.config.build import instantiate_checked

@@ -24,6 +24,8 @@ class Pt2Ops(str, Enum):
 
 
 class OnBreach(str, Enum):
+    """What a parity breach does: ``fail`` or ``warn``."""
+
     fail = "fail"  # raise ParityError (the run fails; report.json is still written)
     warn = "warn"  # warn and record the breach in the report
 
@@ -73,6 +75,9 @@ def check_export_config(cfg: object) -> List[str]:
     """What the types of ``export.*`` / ``parity.*`` cannot express, one message per problem (empty: fine).
 
     Meant for :func:`qlightning.config.validate.validate_config` and ``qlightning train`` before fit.
+
+    Args:
+        cfg: the config (anything with ``export`` and ``parity`` mappings as attributes; missing ones are empty).
     """
     problems: List[str] = []
     export = getattr(cfg, "export", None) or {}

@@ -44,7 +44,14 @@ def _default(value: Any) -> str:
 
 
 def rows(instance: Any = None, prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
-    """(key, type, default, help) of every leaf, defaults taken from a default instance."""
+    """(key, type, default, help) of every leaf, defaults taken from a default instance.
+
+    A nested dataclass yields a ``"section"`` row first, then its own fields.
+
+    Args:
+        instance: the config dataclass instance to walk; ``None`` uses ``TrainConfig()``.
+        prefix: prepended to every key (``"quant."`` for a nested section).
+    """
     instance = TrainConfig() if instance is None else instance
     hints = typing.get_type_hints(type(instance))
     for field in dataclasses.fields(instance):
@@ -59,6 +66,7 @@ def rows(instance: Any = None, prefix: str = "") -> Iterator[tuple[str, str, str
 
 
 def markdown() -> str:
+    """The README's configuration reference: a markdown table of every leaf key, between its markers."""
     lines = [START, "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
     for key, tp, default, help_text in rows():
         if tp == "section":
@@ -71,7 +79,11 @@ RECIPES_START, RECIPES_END = "<!-- recipe-table:start -->", "<!-- recipe-table:e
 
 
 def recipe_summary(text: str) -> str:
-    """A recipe's header comment after its command line, up to the end of the first sentence."""
+    """A recipe's header comment after its command line, up to the end of the first sentence.
+
+    Args:
+        text: the recipe file's text; its first line is skipped, and ``|`` is escaped for a table cell.
+    """
     lines = []
     for line in text.splitlines()[1:]:
         if not line.startswith("#"):
@@ -94,7 +106,14 @@ def recipe_markdown() -> str:
 
 
 def write(readme: Path) -> bool:
-    """Replace the generated blocks (configuration reference, recipe table) in ``readme``."""
+    """Replace the generated blocks (configuration reference, recipe table) in ``readme``.
+
+    Args:
+        readme: the README file, rewritten in place; it must hold both blocks' markers.
+
+    Returns:
+        Whether the text changed.
+    """
     text = readme.read_text()
     new = text
     for (first, last), body in (((START, END), markdown()), ((RECIPES_START, RECIPES_END), recipe_markdown())):
@@ -105,6 +124,7 @@ def write(readme: Path) -> bool:
 
 
 def main() -> None:
+    """``python -m qlightning.config.reference``: print the reference table, or with ``--write README`` update it."""
     parser = argparse.ArgumentParser(prog="python -m qlightning.config.reference")
     parser.add_argument("--write", type=Path, help="replace the reference block in this README")
     args = parser.parse_args()

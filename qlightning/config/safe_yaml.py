@@ -29,7 +29,11 @@ class _Limit(Exception):
 
 
 class BoundedSafeLoader(yaml.SafeLoader):
-    """``SafeLoader`` that counts nodes, alias uses and depth while composing, and stops at the limits."""
+    """``SafeLoader`` that counts nodes, alias uses and depth while composing, and stops at the limits.
+
+    Args:
+        stream: the YAML text or file, as ``yaml.SafeLoader`` takes it.
+    """
 
     def __init__(self, stream: Any) -> None:
         super().__init__(stream)
@@ -38,6 +42,12 @@ class BoundedSafeLoader(yaml.SafeLoader):
         self._depth = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
+        """``SafeLoader.compose_node``, counting the node (or alias use) and the depth first; past a limit it raises.
+
+        Args:
+            parent: the parent node, passed on to ``SafeLoader``.
+            index: the key or position in the parent, passed on to ``SafeLoader``.
+        """
         if self.check_event(yaml.AliasEvent):
             self._aliases += 1
             if self._aliases > MAX_ALIASES:

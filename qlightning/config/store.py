@@ -17,6 +17,10 @@ def replaced_groups(recipe: Optional[recipes_registry.Recipe], user_trusted: Ite
     """Groups (``model``, ``data``) whose class a recipe names: their default must be dropped, not merged into.
 
     Otherwise the default digits CNN's arguments (``channels``, ...) would reach another model class.
+
+    Args:
+        recipe: the selected recipe (loaded and checked as data); ``None`` replaces nothing.
+        user_trusted: modules the user trusts, for the recipe's class-path check.
     """
     if recipe is None:
         return []
@@ -29,6 +33,11 @@ def register(extra_recipe: Optional[recipes_registry.Recipe] = None, user_truste
 
     Recipes are loaded (checked as data) only when they are the selected one, so a broken recipe
     elsewhere on the search path cannot stop another run.
+
+    Args:
+        extra_recipe: the selected recipe, loaded (checked as data) and stored under group ``recipe``;
+            ``None`` stores the schema only.
+        user_trusted: modules the user trusts, for the recipe's class-path check.
     """
     cs = ConfigStore.instance()
     cs.store(name=SCHEMA_NAME, node=TrainConfig)

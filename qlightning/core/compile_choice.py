@@ -36,14 +36,26 @@ class CompileChoice:
     compiles_expected: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields that are set, as a plain dict (``None`` fields left out) for report.json."""
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     def describe(self) -> str:
+        """One log line: whether the compiled training path is on, the mode and the reason."""
         return f"compiled training path {'on' if self.compiled else 'off'} (engine_options.compile={self.mode}: {self.reason})"
 
 
 def phases_left(schedule: Schedule, global_step: int, epoch: int) -> int:
-    """The phase now and each milestone still ahead: how many compiles the rest of the run needs at most."""
+    """The phase now and each milestone still ahead: how many compiles the rest of the run needs at most.
+
+    Args:
+        schedule: the run's QAT schedule; its ``fake_quant_start``, ``observer_freeze`` and ``bn_freeze``
+            milestones are counted.
+        global_step: the trainer's current global step.
+        epoch: the trainer's current epoch.
+
+    Returns:
+        1 (the current phase) plus the number of set milestones not yet reached.
+    """
     ahead = [m for m in (schedule.fake_quant_start, schedule.observer_freeze, schedule.bn_freeze)
              if m is not None and not m.reached(global_step, epoch)]
     return 1 + len(ahead)
@@ -75,16 +87,34 @@ class CompileDecider:
 
     @property
     def pending(self) -> bool:
+        """Whether no choice has been made yet (``auto`` still timing steps)."""
         return self.choice is None
 
     def add_step(self, seconds: float) -> None:
+        """Record the wall time of one eager training step.
+
+        Args:
+            seconds: the step's duration in seconds.
+        """
         self.step_seconds.append(seconds)
 
     def ready(self) -> bool:
+        """Whether no choice is made yet and more than ``TIMED_STEPS`` step times are in (the first is not counted)."""
         return self.pending and len(self.step_seconds) > TIMED_STEPS  # the first one is not counted
 
     def decide(self, steps_left: Optional[float], compiles: int) -> CompileChoice:
-        """``auto``: compile when ``steps_left * eager step * EXPECTED_SAVING > compiles * COMPILE_SECONDS``."""
+        """``auto``: compile when ``steps_left * eager step * EXPECTED_SAVING > compiles * COMPILE_SECONDS``.
+
+        The eager step is the median of the recorded step times after the first. The choice is also stored
+        in ``self.choice``.
+
+        Args:
+            steps_left: training steps still to run; ``None`` or infinity (unknown length) means no compile.
+            compiles: compiles the rest of the run needs (e.g. :func:`phases_left`).
+
+        Returns:
+            The :class:`CompileChoice`, with the figures it was made from.
+        """
         step = statistics.median(self.step_seconds[1:])
         if steps_left is None or steps_left == float("inf"):
             self.choice = CompileChoice(self.mode, False, "the fit has no known length", round(step * 1e3, 2))

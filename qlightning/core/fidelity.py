@@ -45,7 +45,14 @@ class FidelityConfig:
     batches: int = 4
 
     def problems(self, prefix: str = "fidelity") -> list[str]:
-        """Every invalid field, as messages naming the key, the value and the valid choices."""
+        """Every invalid field, as messages naming the key, the value and the valid choices.
+
+        Args:
+            prefix: the config key the messages name the fields under (``<prefix>.<field>=...``).
+
+        Returns:
+            One message per invalid field; empty when the config is valid.
+        """
         out = []
         if not isinstance(self.enabled, bool):
             out.append(f"{prefix}.enabled={self.enabled!r}: true or false")
@@ -64,7 +71,17 @@ class FidelityConfig:
     def from_value(cls, value: Any, errors: list[str], prefix: str = "fidelity",
                    defaults: Optional["FidelityConfig"] = None) -> "FidelityConfig":
         """A config from ``None``/``True`` (``defaults``), ``False`` (off), a mapping (over ``defaults``;
-        a ``None`` value keeps the default) or an instance."""
+        a ``None`` value keeps the default) or an instance.
+
+        Args:
+            value: the ``fidelity`` setting as given (``None``, a bool, a mapping or a ``FidelityConfig``).
+            errors: list that messages for unknown keys, a wrong type or invalid fields are appended to.
+            prefix: the config key, for messages.
+            defaults: the config ``None``/``True`` and a mapping start from; ``FidelityConfig()`` if not given.
+
+        Returns:
+            The config; ``defaults`` (or ``FidelityConfig()``) when ``value`` has unknown keys or a wrong type.
+        """
         base = defaults if defaults is not None else cls()
         if isinstance(value, cls):
             config = value
@@ -109,14 +126,17 @@ class ModuleFidelity:
 
     @property
     def passed(self) -> bool:
+        """Whether the comparison found no problem (no breach, no crash)."""
         return not self.problems
 
     def to_dict(self) -> dict[str, Any]:
+        """All fields as a plain dict, plus ``passed``, for report.json."""
         data = asdict(self)
         data["passed"] = self.passed
         return data
 
     def describe(self) -> str:
+        """One line: the module, the figures (or the error), and on a breach its problems and departing layers."""
         head = f"{self.module}: int8 vs {self.against}"
         if self.error:
             return f"{head}: {self.error}"
@@ -158,7 +178,12 @@ def _is_quant_step(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 
 
 def layer_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
-    """``{layer (call_module target): node whose value is the layer's (re)quantized output}``."""
+    """``{layer (call_module target): node whose value is the layer's (re)quantized output}``.
+
+    Args:
+        gm: the graph; quantize/dequantize/fake-quant/observer steps are not layers, and a layer's output
+            node is the end of the single-user chain of such steps after it.
+    """
     layers = {}
     for node in gm.graph.nodes:
         if node.op != "call_module" or _is_quant_step(gm, node):
@@ -187,7 +212,16 @@ class _Recorder(torch.fx.Interpreter):
 
 
 def record(gm: torch.fx.GraphModule, args: tuple[Any, ...], keep: set[str]) -> dict[str, torch.Tensor]:
-    """The values of the nodes named in ``keep`` on one call of ``gm`` (dequantized, float)."""
+    """The values of the nodes named in ``keep`` on one call of ``gm`` (dequantized, float).
+
+    Args:
+        gm: the graph to run (under ``torch.inference_mode``).
+        args: positional inputs of the call.
+        keep: names of the nodes whose tensor values to keep.
+
+    Returns:
+        ``{node name: detached float tensor}`` for the kept nodes that produced a tensor.
+    """
     recorder = _Recorder(gm, keep)
     with torch.inference_mode():
         recorder.run(*args)
@@ -209,6 +243,13 @@ def per_layer_sqnr(
     Returns one row per layer in graph order: ``{"layer": "<prefix>.<module path>", column: dB, ...}``.
     Layers are the ``call_module`` nodes of the int8 graph that the other versions have too; columns
     whose versions are not GraphModules are left out.
+
+    Args:
+        prefix: prepended to each layer name (``<prefix>.<layer>``); empty keeps the bare module path.
+        versions: ``{version name: module}``, e.g. ``float``, ``fake_quant``, ``reference``, ``int8``; ``None``
+            or non-GraphModule entries are skipped, and without an ``int8`` graph the result is empty.
+        batches: positional inputs of each call; signal and noise are summed over all of them.
+        pairs: ``(column, candidate version, reference version)`` of each SQNR column.
     """
     graphs = {k: v for k, v in versions.items() if isinstance(v, torch.fx.GraphModule)}
     if "int8" not in graphs:
@@ -238,7 +279,16 @@ def per_layer_sqnr(
 
 
 def worst_layers(layers: Sequence[dict[str, Any]], column: str = "int8_vs_float_sqnr_db", count: int = 5) -> list[str]:
-    """The ``count`` layers with the lowest SQNR in ``column``."""
+    """The ``count`` layers with the lowest SQNR in ``column``.
+
+    Args:
+        layers: rows of :func:`per_layer_sqnr`; rows without ``column`` are skipped.
+        column: the SQNR column to rank by.
+        count: how many layer names to return at most.
+
+    Returns:
+        Layer names, lowest SQNR first.
+    """
     rows = [(row[column], row["layer"]) for row in layers if row.get(column) is not None]
     return [name for _, name in sorted(rows)[:count]]
 
@@ -319,7 +369,17 @@ def compare_modules(
 
 
 def apply_on_breach(result: ModuleFidelity, config: FidelityConfig, fall_back: Callable[[], None], reference: str) -> bool:
-    """``config.on_breach`` for one compared module: ``fall_back()`` puts ``reference`` back; True if it breached."""
+    """``config.on_breach`` for one compared module: ``fall_back()`` puts ``reference`` back; True if it breached.
+
+    Args:
+        result: the module's comparison; its ``action`` is set on a breach.
+        config: the gate; ``on_breach="fallback"`` calls ``fall_back``, ``"warn"`` and ``"fail"`` keep int8.
+        fall_back: puts the reference module back in place of the int8 one.
+        reference: what is put back, in words (for ``result.action``).
+
+    Returns:
+        ``True`` if the module breached, ``False`` if it passed.
+    """
     if result.passed:
         return False
     if config.on_breach == "fallback":

@@ -58,7 +58,15 @@ def summed_sqnr_db(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
 
 
 def ratio_db(signal: float, noise: float) -> float:
-    """``10 log10(signal / noise)`` with :func:`sqnr_db`'s edge cases (for sums accumulated elsewhere)."""
+    """``10 log10(signal / noise)`` with :func:`sqnr_db`'s edge cases (for sums accumulated elsewhere).
+
+    Args:
+        signal: summed squared reference values; ``<= 0`` gives -200 (unless the noise is 0 too).
+        noise: summed squared differences; non-finite gives -200, ``<= 0`` gives 200.
+
+    Returns:
+        The ratio in dB, clamped to ``[-200, 200]``.
+    """
     if not math.isfinite(noise) or not math.isfinite(signal):
         return -MAX_SQNR_DB
     if noise <= 0.0:

@@ -24,6 +24,12 @@ class Milestone:
     step: Optional[int] = None
 
     def reached(self, global_step: int, epoch: int) -> bool:
+        """Whether training at ``global_step`` in ``epoch`` is at or past this milestone.
+
+        Args:
+            global_step: the optimizer step about to run (counting from 0); compared with ``step`` if set.
+            epoch: the current epoch (counting from 0); compared with ``epoch`` otherwise.
+        """
         if self.step is not None:
             return global_step >= self.step
         return epoch >= self.epoch  # type: ignore[operator]
@@ -42,6 +48,15 @@ def to_milestone(value: Any, key: str, errors: list[str]) -> Optional[Milestone]
     """Read ``None``, a :class:`Milestone` or a mapping ``{"epoch": N}`` / ``{"step": N}``.
 
     Problems are appended to ``errors`` (naming ``key``) so every bad value is reported at once.
+
+    Args:
+        value: the milestone as given; ``"auto"``, unknown fields, both ``epoch`` and ``step``, a
+            non-integer or a negative count are errors.
+        key: the config key, for messages.
+        errors: list the messages are appended to.
+
+    Returns:
+        The milestone, or ``None`` for "never" (``None``, or neither field set) and for an invalid value.
     """
     if value == AUTO:
         errors.append(f"{key}='auto': only the whole schedule can be derived from the run; give a milestone here")
@@ -93,6 +108,7 @@ class Phase:
     bn_frozen: bool
 
     def describe(self) -> str:
+        """The phase in words: fake-quant on/off, observers on/frozen, BN stats frozen/updating."""
         return (
             f"fake-quant {'on' if self.fake_quant else 'off'}, observers {'on' if self.observe else 'frozen'}, "
             f"BN stats {'frozen' if self.bn_frozen else 'updating'}"
@@ -126,7 +142,16 @@ class Schedule:
         prefix: str = "schedule",
         errors: Optional[list[str]] = None,
     ) -> "Schedule":
-        """Build a schedule from milestone-like values, collecting every problem before raising."""
+        """Build a schedule from milestone-like values, collecting every problem before raising.
+
+        Args:
+            fake_quant_start: when fake-quant starts (see :func:`to_milestone`); ``None`` for the first step.
+            observer_freeze: when observers freeze; ``None`` for never.
+            bn_freeze: when BatchNorm statistics freeze; ``None`` for never.
+            prefix: the config key the milestone names are prefixed with in messages.
+            errors: list to append problems to instead of raising; if ``None``, problems raise
+                :class:`~qlightning.errors.ConfigError`.
+        """
         own_errors: list[str] = [] if errors is None else errors
         schedule = cls(
             to_milestone(fake_quant_start, f"{prefix}.fake_quant_start", own_errors),
@@ -139,7 +164,14 @@ class Schedule:
         return schedule
 
     def check_order(self, errors: list[str], prefix: str = "schedule") -> None:
-        """Observers must not freeze before fake-quant starts (their scales would never be trained on)."""
+        """Observers must not freeze before fake-quant starts (their scales would never be trained on).
+
+        Only milestones in the same unit (both steps or both epochs) are compared.
+
+        Args:
+            errors: list the message is appended to.
+            prefix: the config key the milestone names are prefixed with in the message.
+        """
         start, freeze = self.fake_quant_start, self.observer_freeze
         if start is None or freeze is None:
             return
@@ -151,7 +183,12 @@ class Schedule:
             )
 
     def phase(self, global_step: int, epoch: int) -> Phase:
-        """The phase for the training step about to run at ``global_step`` in ``epoch``."""
+        """The phase for the training step about to run at ``global_step`` in ``epoch``.
+
+        Args:
+            global_step: the optimizer step about to run (counting from 0).
+            epoch: the current epoch (counting from 0).
+        """
 
         def reached(milestone: Optional[Milestone], default: bool) -> bool:
             return default if milestone is None else milestone.reached(global_step, epoch)
@@ -185,12 +222,18 @@ class AutoSchedule:
     observer_freeze: float = 0.85
 
     def resolve(self, total_steps: int) -> Schedule:
-        """Step milestones for a run of ``total_steps`` optimizer steps (BN never frozen)."""
+        """Step milestones for a run of ``total_steps`` optimizer steps (BN never frozen).
+
+        Args:
+            total_steps: optimizer steps of the whole fit; the shares are rounded to steps, and the
+                observer freeze comes at least one step after the fake-quant start.
+        """
         start = int(round(self.fake_quant_start * total_steps))
         freeze = max(start + 1, int(round(self.observer_freeze * total_steps)))
         return Schedule(Milestone(step=start), Milestone(step=max(1, freeze)), None)
 
     def describe(self) -> str:
+        """The derived schedule in words, with its shares as percentages."""
         return (f"auto: float for the first {self.fake_quant_start:.0%} of the steps, fake-quant after, "
                 f"observers frozen from {self.observer_freeze:.0%}, BatchNorm statistics never frozen")
 

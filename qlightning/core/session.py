@@ -153,6 +153,7 @@ class QuantSession:
 
     @property
     def backend(self) -> str:
+        """The quantized backend of the session's spec (``spec.backend``)."""
         return self.spec.backend
 
     # ------------------------------------------------------------------ preparation

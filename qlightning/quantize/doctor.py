@@ -99,6 +99,7 @@ class Finding:
 
     @property
     def breaks_itself(self) -> bool:
+        """Whether the module does not trace and keeping submodules as leaves (``skip``) does not make it trace."""
         return not self.traces and not self.skip
 
 

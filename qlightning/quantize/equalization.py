@@ -135,6 +135,12 @@ def find_pairs(module: nn.Module) -> list[EqualizationPair]:
     tensor), every module must be called once, a BatchNorm must directly follow ``L1`` and be
     affine, and the channel counts must match (Conv -> Linear needs a ``flatten(x, 1)`` with
     ``in_features`` a multiple of the channels).
+
+    Args:
+        module: the float model, traced with FX (not modified).
+
+    Returns:
+        The pairs, in graph order of their first layer.
     """
     gm = _trace(module)
     modules = dict(gm.named_modules())
@@ -219,7 +225,12 @@ def _bn_factor(bn: nn.Module) -> torch.Tensor:
 
 
 def effective_weight(layer: nn.Module, bn: Optional[nn.Module] = None) -> torch.Tensor:
-    """The weight FX quantizes: ``layer.weight`` with a following BatchNorm folded in."""
+    """The weight FX quantizes: ``layer.weight`` with a following BatchNorm folded in.
+
+    Args:
+        layer: the Conv/Linear layer.
+        bn: the BatchNorm that follows it; ``None`` returns the detached weight as is.
+    """
     w = layer.weight.detach()
     if bn is None:
         return w
@@ -294,6 +305,7 @@ class EqualizationResult:
     sqnr_after: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
+        """Plain-JSON summary: pairs as strings, iterations, kept/rejected pairs, SQNR before/after (2 decimals)."""
         return {
             "pairs": [str(p) for p in self.pairs],
             "iterations": self.iterations,
@@ -315,6 +327,12 @@ def cross_layer_equalization(
     Pairs sharing a layer are swept repeatedly until no scale moves by more than ``tol``
     (relative) or ``max_iter`` sweeps. Parameters are changed in place, so an optimizer or a
     prepared QAT graph that holds them sees the new values.
+
+    Args:
+        module: the float model, changed in place.
+        pairs: the pairs to equalize; ``None`` uses :func:`find_pairs`.
+        max_iter: the most sweeps over the pairs.
+        tol: stop when no scale's ``|log s|`` in a sweep exceeds this.
 
     Returns:
         :class:`EqualizationResult`: the pairs and the cumulative scale of each (``str(pair)``).
@@ -345,7 +363,12 @@ def cross_layer_equalization(
 
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    """:func:`qlightning.core.metrics.sqnr_db`, with +inf (not the report's 200 dB cap) for equal tensors."""
+    """:func:`qlightning.core.metrics.sqnr_db`, with +inf (not the report's 200 dB cap) for equal tensors.
+
+    Args:
+        reference: the tensor taken as the signal.
+        approximation: its approximation (e.g. the fake-quantized weight).
+    """
     value = _sqnr_db(reference, approximation)
     return math.inf if value >= 200.0 else value
 
@@ -356,7 +379,13 @@ def default_weight_observer() -> Any:
 
 
 def fake_quantize_weight(weight: torch.Tensor, weight_observer: Any) -> torch.Tensor:
-    """``weight`` quantized and dequantized with the qparams a fresh ``weight_observer()`` computes."""
+    """``weight`` quantized and dequantized with the qparams a fresh ``weight_observer()`` computes.
+
+    Args:
+        weight: the float weight.
+        weight_observer: a torch.ao observer factory (called once, then run on ``weight``); per-channel
+            qschemes fake-quantize per channel along its ``ch_axis``.
+    """
     with fx_ao.quiet_torch_ao():
         obs = weight_observer()
         obs(weight)
@@ -375,7 +404,16 @@ def weight_sqnr(
     layers: Optional[Iterable[str]] = None,
 ) -> dict[str, float]:
     """Per-layer SQNR (dB) of weight quantization: the BN-folded weight of every Conv/Linear
-    (or of ``layers``) against itself quantized with ``weight_observer`` (default: 8-bit per tensor)."""
+    (or of ``layers``) against itself quantized with ``weight_observer`` (default: 8-bit per tensor).
+
+    Args:
+        module: the float model (traced with FX to find the BatchNorms that follow layers).
+        weight_observer: a torch.ao observer factory; ``None`` uses :func:`default_weight_observer`.
+        layers: names of the layers to measure; ``None`` measures every Conv/Linear.
+
+    Returns:
+        ``{layer name: SQNR in dB}`` (+inf where quantization is exact).
+    """
     weight_observer = weight_observer or default_weight_observer()
     bns = _bn_followers(module)
     names = list(layers) if layers is not None else [n for n, m in module.named_modules() if type(m) in LAYER_TYPES]
@@ -406,6 +444,16 @@ def selective_cross_layer_equalization(
     pair by pair in graph order, the pair's scaling is applied to ``module`` and kept if the mean
     SQNR (dB) of its two layers under ``weight_observer`` rises by more than ``min_gain_db``,
     else undone. Data-free; every kept rescaling preserves the float function.
+
+    Args:
+        module: the float model, changed in place for the kept pairs.
+        weight_observer: a torch.ao observer factory for the SQNR; ``None`` uses :func:`default_weight_observer`.
+        pairs: the candidate pairs; ``None`` uses :func:`find_pairs`.
+        min_gain_db: how many dB a pair's mean SQNR must rise by to be kept.
+        max_iter: the most sweeps of the full equalization the scales come from.
+
+    Returns:
+        :class:`EqualizationResult` with ``kept``/``rejected`` pairs and SQNR before/after per layer.
     """
     weight_observer = weight_observer or default_weight_observer()
     pairs = list(find_pairs(module) if pairs is None else pairs)
@@ -480,6 +528,10 @@ def input_weight_equalization_mapping(module: nn.Module, layers: Optional[Iterab
     ``layers`` (names relative to ``module``; default: every Conv/Linear FX can equalize) are
     closed under the chain rule described in :func:`_equalizable_layers`; layers that cannot be
     equalized without changing the function raise :class:`ConfigError`.
+
+    Args:
+        module: the float model (traced with FX, not modified).
+        layers: the layers to equalize; ``None`` for every layer FX can equalize.
     """
     allowed, needs, blocked = _equalizable_layers(module)
     wanted = list(allowed if layers is None else layers)
@@ -499,7 +551,14 @@ def input_weight_equalization_mapping(module: nn.Module, layers: Optional[Iterab
 
 
 def equalized_layers(mapping: Any) -> list[str]:
-    """Layer names an equalization ``QConfigMapping`` covers (module_name entries)."""
+    """Layer names an equalization ``QConfigMapping`` covers (module_name entries).
+
+    Args:
+        mapping: a ``QConfigMapping``; entries whose qconfig is ``None`` are left out.
+
+    Returns:
+        The names, sorted.
+    """
     return sorted(k for k, v in getattr(mapping, "module_name_qconfigs", {}).items() if v is not None)
 
 
@@ -512,6 +571,15 @@ def layer_output_sqnr(
     Both modules are run on the same inputs; the outputs of the submodules named ``layers``
     (quantized tensors dequantized) are compared. Use a BN/ReLU-fused float reference
     (:func:`fused_reference`) so names and outputs match FX's converted module.
+
+    Args:
+        reference: the float reference module.
+        quantized: the quantized module to measure.
+        inputs: the inputs both are run on; signal and noise are summed over all of them.
+        layers: names of submodules (present in both) whose outputs are compared.
+
+    Returns:
+        ``{layer: SQNR in dB}`` for the layers with a non-zero reference output.
     """
     layers = list(layers)
     pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in layers}
@@ -542,7 +610,11 @@ def layer_output_sqnr(
 
 
 def fused_reference(module: nn.Module) -> nn.Module:
-    """A float copy of ``module`` fused like FX PTQ fuses it (Conv-BN-ReLU -> ConvReLU, BN folded)."""
+    """A float copy of ``module`` fused like FX PTQ fuses it (Conv-BN-ReLU -> ConvReLU, BN folded).
+
+    Args:
+        module: the float model (deep-copied and put in eval mode; not modified).
+    """
     return fx_ao.fuse(copy.deepcopy(module).eval())
 
 
@@ -563,6 +635,14 @@ def select_input_weight_equalization(
     beat plain PTQ at the module output, nothing is equalized.
 
     Returns ``(mapping or None, details)``; ``details`` holds every SQNR measured.
+
+    Args:
+        float_module: the float model (copied by each PTQ run, not modified).
+        inputs: the calibration inputs (the first is the example input), also used to measure SQNR.
+        spec: the quantization spec PTQ runs with.
+        layers: candidate layers; ``None`` for every layer FX can equalize (others are ignored).
+        engine: the engine's name or an instance, for :func:`~qlightning.quantize.calibration.calibrate_and_convert`.
+        min_gain_db: how many dB a layer's output SQNR must rise by for its group to be kept.
     """
     inputs = list(inputs)
     allowed, needs, _ = _equalizable_layers(float_module)

@@ -70,6 +70,11 @@ class OnnxRuntimeModule(nn.Module):
 
     The serialized model is a ``uint8`` buffer (so ``state_dict``, ``deepcopy`` and pickling carry
     it); the session is created on first use with ``threads`` intra-op threads (default: torch's).
+
+    Args:
+        model_bytes: the serialized ONNX model.
+        input_names: the ONNX graph's input names, in the order of the positional inputs.
+        threads: onnxruntime intra-op threads; ``None`` uses ``torch.get_num_threads()``.
     """
 
     def __init__(self, model_bytes: bytes, input_names: Sequence[str], threads: Optional[int] = None) -> None:
@@ -110,7 +115,12 @@ class OnnxRuntimeModule(nn.Module):
 
 
 class InductorModule(nn.Module):
-    """A q/dq graph compiled by inductor with ``freezing`` (int8 conv / linear via oneDNN)."""
+    """A q/dq graph compiled by inductor with ``freezing`` (int8 conv / linear via oneDNN).
+
+    Args:
+        graph: the q/dq module to compile (an exported program's module, exported in eval mode).
+        dynamic: passed to ``torch.compile(dynamic=...)``; compiling happens on the first call.
+    """
 
     def __init__(self, graph: nn.Module, dynamic: bool = False) -> None:
         super().__init__()
@@ -259,6 +269,7 @@ class LoweringChoice:
 
     @property
     def passed(self) -> list[str]:
+        """The candidates in ``latency_ms`` that have no entry in ``errors``."""
         return [n for n in self.latency_ms if n not in self.errors]
 
     def speedup_over(self, other: str) -> Optional[float]:

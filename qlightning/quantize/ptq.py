@@ -42,6 +42,8 @@ def ptq_baseline(
         spec: the QAT run's :class:`QuantSpec` (backend, custom configs). A QAT qconfig mapping is
             turned into its PTQ counterpart (:func:`qlightning.engines.fx.qconfigs.ptq_qconfig_mapping`);
             ``None`` = the backend's default PTQ mapping.
+        engine: the engine's name or an instance.
+        num_batches: how many of ``inputs`` to calibrate on; ``None`` for all.
         qconfig_mapping: a PTQ mapping to use instead.
         equalization: ``None``, ``"all"``, a list of layer names, ``"selective"`` or a
             ``QConfigMapping`` for FX input-weight equalization.
@@ -70,6 +72,18 @@ def _weight_observer(spec: QuantSpec) -> Any:
 
 
 def apply_cle(module: nn.Module, mode: Union[bool, str], spec: QuantSpec) -> Optional[Any]:
+    """Data-free cross-layer equalization of ``module`` in place, as ``mode`` says.
+
+    Args:
+        module: the float module, changed in place.
+        mode: ``True`` for full CLE, ``"selective"`` for :func:`selective_cross_layer_equalization`,
+            anything else for none.
+        spec: the PTQ spec whose global qconfig's weight observer the weight SQNR is measured with.
+
+    Returns:
+        The :class:`~qlightning.quantize.equalization.EqualizationResult` (with SQNR before/after), or
+        ``None`` when nothing was done.
+    """
     if mode is True:
         observer = _weight_observer(spec)
         before = weight_sqnr(module, observer)
@@ -83,6 +97,20 @@ def apply_cle(module: nn.Module, mode: Union[bool, str], spec: QuantSpec) -> Opt
 
 def equalization_mapping(module: nn.Module, how: Any, inputs: Sequence[Inputs], spec: QuantSpec,
                           engine: Union[str, QuantEngine], details: Optional[dict] = None) -> Any:
+    """The FX input-weight equalization config PTQ should use for the ``equalization`` setting ``how``.
+
+    Args:
+        module: the float module (not modified).
+        how: ``None``, ``"all"``, ``"selective"``, a list/tuple of layer names, or a ``QConfigMapping``
+            (returned as is).
+        inputs: the calibration inputs (for ``"selective"``).
+        spec: the PTQ spec (for ``"selective"``).
+        engine: the engine's name or an instance (for ``"selective"``).
+        details: if given, updated with the SQNR figures ``"selective"`` measured.
+
+    Returns:
+        An equalization ``QConfigMapping``, or ``None`` for no equalization.
+    """
     if how is None:
         return None
     if how == "all":

@@ -37,7 +37,12 @@ def quiet_export() -> Any:
 
 
 def input_names(module: nn.Module, count: int) -> list[str]:
-    """Names of the first ``count`` parameters of ``module.forward`` (``x`` for the digits CNN)."""
+    """Names of the first ``count`` parameters of ``module.forward`` (``x`` for the digits CNN).
+
+    Args:
+        module: the module whose ``forward`` signature names the inputs (positional parameters only).
+        count: how many names; those the signature lacks are ``input_<i>``.
+    """
     try:
         params = [p.name for p in inspect.signature(module.forward).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
@@ -51,6 +56,13 @@ def export_args(args: Sequence[Any], dynamic_batch: bool) -> tuple[tuple[Any, ..
 
     Tensors whose dim 0 has the batch size of the first tensor share one ``Dim``. A batch of 1 is
     repeated to 2 (export specializes sizes 0 and 1).
+
+    Args:
+        args: the positional example inputs (tensors are cloned).
+        dynamic_batch: mark dim 0 as symbolic; if false (or no tensor has a dim), ``dynamic_shapes`` is ``None``.
+
+    Returns:
+        ``(args, dynamic_shapes)``.
     """
     args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)  # .pt2 files keep sample inputs
     tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
@@ -115,6 +127,10 @@ def fold_constants(gm: torch.fx.GraphModule, keep: Callable[[torch.fx.Node], boo
     """Evaluate ATen/q-dq calls whose inputs are all constants into buffers (weight quantization -> int8).
 
     Nodes for which ``keep`` is true (dequantize ops) stay in the graph. Returns the number folded.
+
+    Args:
+        gm: the graph, changed in place (folded values become buffers, unused attributes are removed).
+        keep: true for a node that must not be folded.
     """
     values: dict[torch.fx.Node, Any] = {}
     folded = 0
@@ -185,6 +201,13 @@ def to_aten(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     ``quantize_per_tensor -> dequantize_per_tensor`` becomes ``round(x / scale) + zp``, clamped, dequantized
     (the same arithmetic), ``dequantize_per_channel/tensor`` of an int8 constant becomes ``(w - zp) * scale``.
+
+    Args:
+        gm: the q/dq graph; its q/dq parameters must be constants, and every quantize must feed only
+            dequantize nodes, else :class:`~qlightning.errors.ExportError` is raised.
+
+    Returns:
+        ``gm`` itself.
     """
     ops = _op_sets()
     graph = gm.graph
@@ -258,6 +281,9 @@ def explicit_activation_clamps(gm: torch.fx.GraphModule) -> int:
     has no quant_min/quant_max: the exporter drops them and onnxruntime clamps to 0..255 (measured: onnx
     vs int8 13.5 dB on digits once int8 clamps to the trained range). An explicit clamp (ONNX ``Clip``)
     survives every route.
+
+    Args:
+        gm: the q/dq graph, changed in place (recompiled if anything changed).
     """
     qd = quantized_decomposed_ops()
     changed = 0
@@ -285,6 +311,10 @@ def scalar_qparams(gm: torch.fx.GraphModule) -> int:
     The ONNX exporter translates only that overload (with ``.tensor`` it fails: "int() argument must
     be ... not 'SymbolicTensor'"); per-tensor weights (qnnpack's default qconfig) produce ``.tensor``.
     Returns how many nodes changed.
+
+    Args:
+        gm: the q/dq graph, changed in place; only nodes whose scale and zero point are one-element
+            constants (``get_attr``) are rewritten.
     """
     qd = quantized_decomposed_ops()
     targets = {qd.quantize_per_tensor.tensor: qd.quantize_per_tensor.default,
@@ -310,7 +340,13 @@ def scalar_qparams(gm: torch.fx.GraphModule) -> int:
 
 
 def qdq_program(module: nn.Module, example: Inputs, dynamic_batch: bool = True) -> QdqProgram:
-    """``torch.export`` a q/dq module, fold the weight quantization into int8 constants, export again."""
+    """``torch.export`` a q/dq module, fold the weight quantization into int8 constants, export again.
+
+    Args:
+        module: the q/dq module to export.
+        example: example inputs of one call (keywords bound to positions).
+        dynamic_batch: export dim 0 of the inputs as a symbolic batch (see :func:`export_args`).
+    """
     args, dynamic = export_args(positional_args(module, example), dynamic_batch)
     with quiet_export():
         first = torch.export.export(module, args, dynamic_shapes=dynamic)
@@ -328,7 +364,11 @@ def qdq_program(module: nn.Module, example: Inputs, dynamic_batch: bool = True) 
 
 
 def aten_program(qdq: QdqProgram) -> Any:
-    """The q/dq program rewritten to core ATen ops (see :func:`to_aten`) and exported again."""
+    """The q/dq program rewritten to core ATen ops (see :func:`to_aten`) and exported again.
+
+    Args:
+        qdq: the q/dq program (its ``program`` is not changed; a new module is taken from it).
+    """
     with quiet_export():
         gm = qdq.program.module()
         to_aten(gm)
@@ -336,7 +376,16 @@ def aten_program(qdq: QdqProgram) -> Any:
 
 
 def qparams_summary(program: Any) -> dict[str, Any]:
-    """Scales / zero points of every q/dq node of a q/dq program, labelled with the module producing the input."""
+    """Scales / zero points of every q/dq node of a q/dq program, labelled with the module producing the input.
+
+    Args:
+        program: a ``torch.export.ExportedProgram`` with quantized_decomposed q/dq ops.
+
+    Returns:
+        ``{"activations": [...], "weights": [...]}``: per activation quantize its scale, zero point, range
+        and dtype (``"dynamic"`` when computed per call); per constant weight dequantize its layer, shape,
+        dtype, per-channel axis and scale range.
+    """
     ops = _op_sets()
     gm = program.graph_module
     consts = {**dict(program.named_parameters()), **dict(program.named_buffers()), **program.constants}
@@ -408,6 +457,11 @@ def write_pt2(program: Any, path: Path, keep_debug_meta: bool = False) -> None:
     """``torch.export.save`` of ``program``; without :data:`DEBUG_META` unless ``keep_debug_meta``.
 
     The program itself is left as it was (its metadata is restored after writing).
+
+    Args:
+        program: the ``torch.export.ExportedProgram`` to save.
+        path: the ``.pt2`` file to write.
+        keep_debug_meta: keep the per-node debugging metadata in the file.
     """
     saved: list[tuple[dict[str, Any], str, Any]] = []
     if not keep_debug_meta:
@@ -426,7 +480,15 @@ def write_pt2(program: Any, path: Path, keep_debug_meta: bool = False) -> None:
 
 
 def write_onnx(qdq: QdqProgram, path: Path, opset: Optional[int] = None) -> int:
-    """QDQ ONNX of the q/dq program (dynamo exporter); returns the opset written."""
+    """QDQ ONNX of the q/dq program (dynamo exporter); returns the opset written.
+
+    int8 weight initializers are rewritten as uint8 (:func:`unsigned_weight_initializers`).
+
+    Args:
+        qdq: the q/dq program, with its input and output names.
+        path: the ``.onnx`` file to write (no external data).
+        opset: the ONNX opset version; ``None`` for the exporter's default.
+    """
     kwargs: dict[str, Any] = {}
     if opset is not None:
         kwargs["opset_version"] = opset
@@ -461,6 +523,9 @@ def unsigned_weight_initializers(model: Any) -> int:
     ONNX model departed from the int8 model by 11.3 dB SQNR (78.5 % top-1 agreement). uint8 weights
     take onnxruntime's u8u8 kernels, which widen before multiplying and never saturate. Returns how
     many initializers changed.
+
+    Args:
+        model: the ``onnx.ModelProto``, changed in place.
     """
     from onnx import numpy_helper
 

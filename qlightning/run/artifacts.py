@@ -74,6 +74,21 @@ def export_and_check(
 
     Raises :class:`ParityError` on a gated breach when ``parity.on_breach == "fail"``, after writing
     ``report.json`` (merged over ``base_report``) so the run directory explains the failure.
+
+    Args:
+        session: the :class:`~qlightning.core.session.QuantSession`, or a callback that holds one.
+        model: the LightningModule, with its converted int8 submodules.
+        datamodule: the data whose test loader gives the held-out batches (the captured example inputs
+            are used when it cannot).
+        out_dir: the run folder the artifacts, plots and report go to (created if missing).
+        export_cfg: the ``export`` section (``formats``, ``dynamic_batch``, ``onnx_opset``, ``pt2_ops``).
+        parity_cfg: the ``parity`` section (``enabled``, ``batches``, ``on_breach``, thresholds).
+        report_cfg: the ``report`` section (``enabled``, ``latency_threads``, ``latency_batch_size``,
+            ``latency_repeats``).
+        existing: ``{submodule: {format: file}}`` of artifacts already written, not exported again.
+        base_report: the report so far, merged under these keys when the failure report is written.
+        trainer_factory: makes a Trainer limited to a number of test batches; ``None`` uses
+            :func:`~qlightning.run.report.evaluation_trainer`.
     """
     session = session_of(session)
     out_dir = Path(out_dir)
@@ -327,6 +342,16 @@ def finalize_run(session: Any, model: Any, datamodule: Any, cfg: Any, run_dir: P
     (:func:`qlightning.config.export_schema.section` of a run's config).
 
     Called by :func:`qlightning.run.app.train` on rank zero after the int8 model and the basic report exist.
+
+    Args:
+        session: the :class:`~qlightning.core.session.QuantSession`, or a callback that holds one; nothing
+            is done (``{}``) if it has not converted.
+        model: the LightningModule with its int8 submodules.
+        datamodule: the run's data (its test loader gives the held-out batches).
+        cfg: the ``export``, ``parity`` and ``report`` sections.
+        run_dir: the run folder.
+        result: the basic report; its ``int8_models`` TorchScript files are reused, and it is the base of
+            a failure report.
     """
     session = session_of(session)
     if not session.converted:

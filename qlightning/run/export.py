@@ -71,6 +71,7 @@ class Artifact:
 
     @property
     def key(self) -> str:
+        """``<module>:<format>``, the artifact's name in the report."""
         return f"{self.module}:{self.format}"
 
     def to_dict(self, root: Optional[Path] = None) -> dict[str, Any]:
@@ -170,7 +171,12 @@ def write_torchscript(int8: nn.Module, example: Inputs, path: Path) -> None:
 
 
 class OnnxRunner:
-    """Callable wrapper of an onnxruntime session: tensors in, tensors out (one tensor when one output)."""
+    """Callable wrapper of an onnxruntime session: tensors in, tensors out (one tensor when one output).
+
+    Args:
+        path: the ``.onnx`` file, run on the CPU provider.
+        threads: onnxruntime intra-op threads; ``None`` uses ``torch.get_num_threads()``.
+    """
 
     def __init__(self, path: Path, threads: Optional[int] = None) -> None:
         import onnxruntime as ort

@@ -47,6 +47,15 @@ def per_layer_sqnr(
 
     The conversion column (int8 vs its float simulation, ~50 dB up to the 200 dB cap) is left to the
     table of report.md. Layers in ``worst`` (the report's flagged layers, by ``rule``) are in red.
+
+    Args:
+        layers: the report's per-layer rows (``{"layer": name, column: dB, ...}``).
+        path: the PNG file to write.
+        worst: layer names to mark in red.
+        rule: how the worst layers were flagged, in words (for the title).
+
+    Returns:
+        ``path``, or ``None`` (nothing written) when no row has an SQNR column to plot.
     """
     if not layers:
         return None
@@ -87,13 +96,21 @@ def per_layer_sqnr(
 
 
 def find_metrics_csv(run_dir: Path) -> Optional[Path]:
-    """The CSV logger's ``metrics.csv`` under the run directory, if any."""
+    """The CSV logger's ``metrics.csv`` under the run directory, if any.
+
+    Args:
+        run_dir: the run folder, searched recursively (the first path in sorted order is returned).
+    """
     found = sorted(Path(run_dir).glob("**/metrics.csv"))
     return found[0] if found else None
 
 
 def read_qat_series(metrics_csv: Path) -> dict[str, list[tuple[float, float]]]:
-    """``{column: [(step, value), ...]}`` for every ``qat/*`` column of a Lightning CSV log."""
+    """``{column: [(step, value), ...]}`` for every ``qat/*`` column of a Lightning CSV log.
+
+    Args:
+        metrics_csv: the CSV file; rows without a step and empty or non-numeric values are skipped.
+    """
     series: dict[str, list[tuple[float, float]]] = {}
     with open(metrics_csv, newline="") as fh:
         for row in csv.DictReader(fh):
@@ -114,6 +131,14 @@ def scale_evolution(metrics_csv: Optional[Path], path: Path, names: Optional[dic
 
     ``names`` maps an observer (``net.activation_post_process_0``) to what it quantizes (``after
     net.features.0.0``): the legend shows that; an observer not in it keeps its own name.
+
+    Args:
+        metrics_csv: the run's CSV log (see :func:`find_metrics_csv`); ``None`` or a missing file plots nothing.
+        path: the PNG file to write.
+        names: ``{observer: legend label}``.
+
+    Returns:
+        ``path``, or ``None`` when there is no ``qat/*`` series to plot.
     """
     if metrics_csv is None or not Path(metrics_csv).is_file():
         return None
@@ -151,13 +176,28 @@ def scale_evolution(metrics_csv: Optional[Path], path: Path, names: Optional[dic
 
 
 def observer_names(report: dict[str, Any]) -> dict[str, str]:
-    """``{observer: "after <module>"}`` from the report's activation ranges (the scale plot's legend)."""
+    """``{observer: "after <module>"}`` from the report's activation ranges (the scale plot's legend).
+
+    Args:
+        report: the report dict; its ``ranges.activations`` entries with an ``observer`` are used.
+    """
     return {a["observer"]: f"after {a['after']}" if not a["after"].startswith("input ") else a["after"]
             for a in (report.get("ranges") or {}).get("activations") or [] if a.get("observer")}
 
 
 def latency(latency_ms: dict[str, dict[str, dict[str, float]]], path: Path) -> Optional[Path]:
-    """Median latency of float, int8 and each artifact, one panel per batch size (log scale), values on bars."""
+    """Median latency of float, int8 and each artifact, one panel per batch size (log scale), values on bars.
+
+    A panel is log-scaled only when its largest value is over 20 times its smallest.
+
+    Args:
+        latency_ms: ``{module: {variant: {batch size: ms}}}`` (the report's ``latency_detail.ms``); with
+            more than one module, bars are labelled ``module:variant``.
+        path: the PNG file to write.
+
+    Returns:
+        ``path``, or ``None`` when there is nothing to plot.
+    """
     def shown(variant: str) -> str:
         return "float" if variant == "fp32" else variant
 
@@ -188,7 +228,13 @@ def latency(latency_ms: dict[str, dict[str, dict[str, float]]], path: Path) -> O
 
 
 def render(report: dict[str, Any], run_dir: Path) -> dict[str, str]:
-    """Every plot the report has data for, under ``<run_dir>/plots``; returns ``{name: relative path}``."""
+    """Every plot the report has data for, under ``<run_dir>/plots``; returns ``{name: relative path}``.
+
+    Args:
+        report: the report dict (``layers``, ``worst_layers``, ``worst_layers_rule``, ``ranges``,
+            ``latency_detail``).
+        run_dir: the run folder; paths are relative to it, and its ``metrics.csv`` feeds the scale plot.
+    """
     run_dir = Path(run_dir)
     out = run_dir / PLOTS_DIR
     made: dict[str, Optional[Path]] = {

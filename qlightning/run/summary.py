@@ -11,7 +11,12 @@ VARIANT_ORDER = ("fake_quant", "trained_float", "fp32", "ptq")
 
 
 def verdict_lines(result: dict[str, Any]) -> list[str]:
-    """The gates' verdicts in words: the fit-end fidelity gate (int8 vs fake-quant) and the export parity gate."""
+    """The gates' verdicts in words: the fit-end fidelity gate (int8 vs fake-quant) and the export parity gate.
+
+    Args:
+        result: the run's report dict (its ``fidelity`` and ``parity`` entries); parity is shown only
+            when enabled.
+    """
     lines: list[str] = []
     fidelity = result.get("fidelity") or {}
     for name, check in fidelity.items():
@@ -37,7 +42,12 @@ def verdict_lines(result: dict[str, Any]) -> list[str]:
 
 def headline(result: dict[str, Any]) -> Optional[str]:
     """``int8 accuracy 0.9963 · fake-quant 0.9963 · float snapshot (...) 0.9852``, each variant by its report
-    label; ``None`` without int8 metrics."""
+    label; ``None`` without int8 metrics.
+
+    Args:
+        result: the run's report dict (``metrics`` and ``labels``); the metric is ``accuracy``, ``acc``
+            or ``top1``, else int8's first one.
+    """
     metrics = result.get("metrics") or {}
     int8 = metrics.get("int8") or {}
     key = next((k for k in ("accuracy", "acc", "top1") if k in int8), next(iter(int8), None))
@@ -53,7 +63,13 @@ def headline(result: dict[str, Any]) -> Optional[str]:
 
 
 def print_summary(result: dict[str, Any], run_dir: Path, console: Any = None) -> None:
-    """The end-of-run screen after the table: the run folder, the gates' verdicts, notices, int8 vs float."""
+    """The end-of-run screen after the table: the run folder, the gates' verdicts, notices, int8 vs float.
+
+    Args:
+        result: the run's report dict.
+        run_dir: the run folder (printed, with whichever of report.md, report.json and train.log exist).
+        console: a ``rich`` console to print on; ``None`` makes a new one.
+    """
     from rich.console import Console
 
     console = console or Console()
@@ -70,7 +86,12 @@ def print_summary(result: dict[str, Any], run_dir: Path, console: Any = None) ->
 
 
 def report_metrics(result: dict[str, Any]) -> dict[str, float]:
-    """The final figures as flat logger metrics: ``report/<variant>/<metric>``, ``report/fidelity/<module>/sqnr_db``."""
+    """The final figures as flat logger metrics: ``report/<variant>/<metric>``, ``report/fidelity/<module>/sqnr_db``.
+
+    Args:
+        result: the run's report dict (``metrics``, ``fidelity``, ``latency_ms``); non-numeric values are
+            left out.
+    """
     out: dict[str, float] = {}
     for variant, values in (result.get("metrics") or {}).items():
         for key, value in values.items():
@@ -88,7 +109,15 @@ def report_metrics(result: dict[str, Any]) -> dict[str, float]:
 
 
 def log_report(loggers: Iterable[Any], result: dict[str, Any], step: int) -> None:
-    """Give every Lightning logger the final report figures (after fit: logged, then saved)."""
+    """Give every Lightning logger the final report figures (after fit: logged, then saved).
+
+    Each logger is also finalized with ``"success"``; nothing happens when there are no figures.
+
+    Args:
+        loggers: the trainer's loggers.
+        result: the run's report dict (see :func:`report_metrics`).
+        step: the step the metrics are logged at.
+    """
     metrics = report_metrics(result)
     if not metrics:
         return

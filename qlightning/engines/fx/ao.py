@@ -54,7 +54,11 @@ def load_torch_ao() -> SimpleNamespace:
 
 
 def backend_config_for(backend: str) -> Any:
-    """torch.ao's ``BackendConfig`` of ``backend`` (x86, fbgemm, qnnpack, onednn)."""
+    """torch.ao's ``BackendConfig`` of ``backend`` (x86, fbgemm, qnnpack, onednn).
+
+    Args:
+        backend: ``"x86"``, ``"fbgemm"``, ``"qnnpack"`` or ``"onednn"`` (another name raises ``KeyError``).
+    """
     ao = load_torch_ao()
     return {
         "x86": ao.get_x86_backend_config,
@@ -72,13 +76,21 @@ def default_weight_observer() -> Any:
 
 
 def default_ptq_qconfig_mapping(backend: str) -> Any:
-    """torch.ao's default PTQ ``QConfigMapping`` of ``backend``."""
+    """torch.ao's default PTQ ``QConfigMapping`` of ``backend``.
+
+    Args:
+        backend: the backend name, as ``get_default_qconfig_mapping`` takes it.
+    """
     with quiet_torch_ao():
         return load_torch_ao().get_default_qconfig_mapping(backend)
 
 
 def equalization_qconfig_mapping(layers: Any) -> Any:
-    """A ``QConfigMapping`` giving ``default_equalization_qconfig`` to each named layer (FX ``_equalization_config``)."""
+    """A ``QConfigMapping`` giving ``default_equalization_qconfig`` to each named layer (FX ``_equalization_config``).
+
+    Args:
+        layers: the module names to equalize.
+    """
     with quiet_torch_ao():
         from torch.ao.quantization import QConfigMapping
         from torch.ao.quantization.fx._equalize import default_equalization_qconfig
@@ -90,7 +102,11 @@ def equalization_qconfig_mapping(layers: Any) -> Any:
 
 
 def fuse(module: Any) -> Any:
-    """``fuse_fx`` of ``module`` (eval): Conv-BN-ReLU -> ConvReLU with BN folded, as FX PTQ fuses it."""
+    """``fuse_fx`` of ``module`` (eval): Conv-BN-ReLU -> ConvReLU with BN folded, as FX PTQ fuses it.
+
+    Args:
+        module: the float module, in eval mode.
+    """
     with quiet_torch_ao():
         from torch.ao.quantization.quantize_fx import fuse_fx
 

@@ -51,6 +51,14 @@ def choose_qparams(min_val: torch.Tensor, max_val: torch.Tensor, qmin: int, qmax
     A line-by-line transcription of ``ChooseQuantizationParams(min, max, qmin, qmax, preserve_sparsity=symmetric)``:
     the symmetric widening in float32, scale and zero point in double, the 0.1 fallback for a zero or
     overflowing scale and the small-scale cut-off (``SMALL_SCALE_THRESHOLD``) with its min/max rescaling.
+
+    Args:
+        min_val: the observed minimum (a scalar tensor, or one per channel).
+        max_val: the observed maximum, of the same shape.
+        qmin: the lowest quantized value.
+        qmax: the highest quantized value.
+        symmetric: a symmetric qscheme (``preserve_sparsity``): the range is widened symmetrically and a
+            straddling range gets the middle zero point.
     """
     mn, mx = min_val, max_val
     if symmetric:
@@ -80,7 +88,15 @@ def choose_qparams(min_val: torch.Tensor, max_val: torch.Tensor, qmin: int, qmax
 
 
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
-    """``(clamp(round(x * (1/s)) + zp, qmin, qmax) - zp) * s``; gradient 1 where ``round(x/s) + zp`` is in range, else 0."""
+    """``(clamp(round(x * (1/s)) + zp, qmin, qmax) - zp) * s``; gradient 1 where ``round(x/s) + zp`` is in range, else 0.
+
+    Args:
+        x: the tensor to fake-quantize.
+        scale: the scale, broadcastable to ``x``.
+        zero_point: the zero point, broadcastable to ``x``.
+        qmin: the lowest quantized value.
+        qmax: the highest quantized value.
+    """
     with torch.no_grad():
         zp = zero_point.to(x.dtype)
         q = torch.round(x * torch.reciprocal(scale)) + zp
@@ -99,6 +115,9 @@ def traceable_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> t
 
     As the fused op: the observer moves the running min/max only; with fake-quant on, scale and zero point
     are recomputed from the running min/max at every call (observer on or off) and written to the buffers.
+
+    Args:
+        X: the input; returned unchanged when fake-quant is off.
     """
     obs = self.activation_post_process
     # compiled: the guarded Python copy of the flags (refreshed by the compiled caller); eager: the buffers
@@ -146,6 +165,9 @@ def sync_qparams(m: FusedMovingAvgObsFakeQuantize) -> None:
     What the fused op does at every call with fake-quant on; done once per change (buffer versions and
     identities: a checkpoint load, a DDP broadcast or an observing step bumps them) instead of every step,
     which in a compiled graph costs more than the rest of the fake-quant (measured: 13 ms of a 22 ms digits step).
+
+    Args:
+        m: the fused fake-quant; its ``scale`` / ``zero_point`` are written (resized for a per-channel one).
     """
     obs = m.activation_post_process
     buffers = (obs.min_val, obs.max_val, m.scale, m.zero_point)
@@ -177,6 +199,11 @@ def _eligible(m: nn.Module) -> bool:
 
 
 def traceable_fake_quants(module: nn.Module) -> Iterator[FusedMovingAvgObsFakeQuantize]:
+    """The fake-quants of ``module`` that :func:`make_traceable` gave :func:`traceable_forward`.
+
+    Args:
+        module: the prepared module whose submodules are searched.
+    """
     for m in module.modules():
         if _eligible(m) and m.__dict__.get("forward") is not None and m.__dict__["forward"].__func__ is traceable_forward:
             yield m
@@ -187,6 +214,9 @@ def make_traceable(module: nn.Module) -> int:
 
     Per-channel buffers are sized to their channels first (the fused op does it at its first observation,
     with the same +-inf / 1.0 / 0 fill), so that the traced graph never resizes a buffer.
+
+    Args:
+        module: the prepared module; a per-channel fake-quant's channel count is read from its parent's weight.
     """
     count = 0
     for name, m in module.named_modules():
@@ -222,6 +252,10 @@ def compile_for_training(module: nn.Module, **compile_kwargs: Any) -> int:
     refreshes their flags from the buffers and calls ``torch.compile(forward)`` in training mode. A deep copy
     of ``module`` (the engine copies before converting) runs eagerly: the dispatcher only calls the compiled
     function of the module it was made for. Returns the number of traceable fake-quants.
+
+    Args:
+        module: the prepared module; any earlier compile is undone first (:func:`decompile`).
+        compile_kwargs: keyword arguments of ``torch.compile``.
     """
     decompile(module)
     count = make_traceable(module)
@@ -242,7 +276,11 @@ def compile_for_training(module: nn.Module, **compile_kwargs: Any) -> int:
 
 
 def decompile(module: nn.Module) -> int:
-    """Undo :func:`compile_for_training` and :func:`make_traceable` on ``module``; return how many fake-quants it restored."""
+    """Undo :func:`compile_for_training` and :func:`make_traceable` on ``module``; return how many fake-quants it restored.
+
+    Args:
+        module: the module (and its submodules) to restore to their class forwards.
+    """
     for m in module.modules():
         if m.__dict__.pop("_qlightning_compiled", None) is not None:
             m.__dict__.pop("forward", None)

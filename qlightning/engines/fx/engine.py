@@ -34,6 +34,10 @@ def narrow_activation_ranges(module: nn.Module) -> dict[tuple[float, int], tuple
     torch.ao's x86 / fbgemm qconfigs observe activations over [0, 127] (``reduce_range``). A
     ``(scale, zero_point)`` pair that two such modules share with different ranges is left out
     (ambiguous: :func:`clamp_activations` then leaves that tensor alone).
+
+    Args:
+        module: the prepared module; weight fake-quants and a fake-quant's own observer are skipped, and
+            ranges that are the full uint8/int8 range are left out.
     """
     with quiet_torch_ao():
         from torch.ao.quantization import FakeQuantizeBase, ObserverBase
@@ -116,6 +120,11 @@ def clamp_activations(gm: torch.fx.GraphModule, ranges: dict[tuple[float, int], 
     is for: fbgemm's AVX2 u8 x s8 kernels (no VNNI; ``vpmaddubsw``) add pairs of products in int16 and
     saturate beyond 2 * 127 * 128 (measured here: 6.9 % of outputs wrong for random full-range
     activations, 0 % for 7-bit ones). Returns how many clamps were inserted.
+
+    Args:
+        gm: the converted graph, changed in place (recompiled if a clamp was inserted).
+        ranges: ``{(scale, zero_point): (quant_min, quant_max)}`` of the fake-quants
+            (:func:`narrow_activation_ranges`); outputs with other qparams are left alone.
     """
     count = 0
     for node in list(gm.graph.nodes):
@@ -164,6 +173,10 @@ def global_spatial_mean(x: torch.Tensor, dims: List[int]) -> torch.Tensor:
     32x32 input, ``x.mean([2, 3])`` before ``fc``) raises "required rank 4 tensor to use channels_last
     format" (it keeps the input's channels_last layout for the rank-2 result). ``adaptive_avg_pool2d``
     to 1x1 then ``flatten`` computes the same mean with the same qparams. TorchScript-compatible.
+
+    Args:
+        x: the input tensor (quantized or float).
+        dims: the dims to average over (used as is for a float or non-4-D tensor).
     """
     if x.is_quantized and x.dim() == 4:
         return torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1)
@@ -172,7 +185,11 @@ def global_spatial_mean(x: torch.Tensor, dims: List[int]) -> torch.Tensor:
 
 def pool_spatial_means(gm: torch.fx.GraphModule) -> int:
     """Route ``mean`` over the spatial dims (keepdim false) of a converted graph through
-    :func:`global_spatial_mean`; return how many nodes were rewritten."""
+    :func:`global_spatial_mean`; return how many nodes were rewritten.
+
+    Args:
+        gm: the converted graph, changed in place (recompiled if a node was rewritten).
+    """
     count = 0
     for node in list(gm.graph.nodes):
         is_method = node.op == "call_method" and node.target == "mean"
@@ -203,6 +220,9 @@ def mode_dependent_modules(module: nn.Module) -> dict[str, type]:
     ``training=True`` as a constant, so the prepared and the int8 model kept dropping residual
     branches at random in eval, and int8 vs fake-quant compared two random draws (efficientnet_b0:
     8 dB at 32x32). Only classes of modules already imported are looked for (nothing is imported).
+
+    Args:
+        module: the model whose submodules are searched.
     """
     import sys
 
@@ -236,6 +256,12 @@ class FxEngine(QuantEngine):
     dry_run_by_default = True
 
     def converted_here(self, module: nn.Module) -> bool:
+        """Whether ``module`` is this engine's int8 output: its graph quantizes tensors, or it holds
+        ``torch.ao.nn.quantized`` modules.
+
+        Args:
+            module: the module to inspect.
+        """
         for node in getattr(getattr(module, "graph", None), "nodes", ()):
             if node.op == "call_function" and node.target in (torch.quantize_per_tensor, torch.quantize_per_channel):
                 return True
@@ -249,6 +275,16 @@ class FxEngine(QuantEngine):
         self.ao = load_torch_ao()
 
     def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
+        """Build torch.ao objects from the plain-data parts of ``spec`` (qconfig mapping, custom configs,
+        backend config, ``equalization``) with :class:`QConfigBuilder`.
+
+        Args:
+            spec: the spec as given; its plain-data values are kept in ``options["plain"]``.
+            errors: list that every problem is appended to (``equalization`` with QAT is one).
+
+        Returns:
+            A copy of ``spec`` with the built objects.
+        """
         from dataclasses import replace
 
         def is_data(value: Any) -> bool:
@@ -282,22 +318,50 @@ class FxEngine(QuantEngine):
         return replace(spec, options=options, **resolved)
 
     def check_spec_against_model(self, spec: QuantSpec, modules: dict[str, nn.Module]) -> list[str]:
+        """Plain-data config entries that match nothing in the quantized submodules (:func:`check_against_model`).
+
+        Args:
+            spec: a spec from :meth:`resolve_spec` (its ``options["plain"]`` is checked).
+            modules: ``{name: submodule}`` of the modules to quantize.
+        """
         return check_against_model(modules, spec.options.get("plain", {}))
 
     def default_qconfig_mapping(self, spec: QuantSpec) -> Any:
+        """The backend's default mapping: qlightning's QAT mapping (:func:`default_qat_qconfig_mapping`), or
+        torch.ao's default PTQ mapping.
+
+        Args:
+            spec: the spec (``backend``, ``is_qat``).
+        """
         if spec.is_qat:
             return default_qat_qconfig_mapping(spec.backend)  # weights: current range, centred on zero
         with quiet_torch_ao():
             return self.ao.get_default_qconfig_mapping(spec.backend)
 
     def backend_config(self, spec: QuantSpec) -> Any:
+        """``spec.backend_config`` if set, else torch.ao's ``BackendConfig`` of ``spec.backend``.
+
+        Args:
+            spec: the spec.
+        """
         return spec.backend_config if spec.backend_config is not None else backend_config_for(spec.backend)
 
     def takes_quantized_inputs(self, spec: QuantSpec) -> bool:
+        """Whether the prepare custom config sets ``input_quantized_indexes``.
+
+        Args:
+            spec: the spec (its ``prepare_custom_config``).
+        """
         config = spec.prepare_custom_config
         return bool(getattr(config, "input_quantized_indexes", None))
 
     def export_limits(self, spec: QuantSpec) -> dict[str, str]:
+        """``{what: why}`` of the exports (``reference``, ``onnx``, ``pt2``) this spec cannot have: static custom
+        modules, or dynamically quantized activations.
+
+        Args:
+            spec: the resolved spec.
+        """
         limits: dict[str, str] = {}
         static_custom = _static_custom_modules(spec.convert_custom_config)
         if static_custom:
@@ -316,12 +380,34 @@ class FxEngine(QuantEngine):
         return limits
 
     def reference_module(self, prepared: nn.Module, int8: nn.Module, spec: Optional[QuantSpec]) -> nn.Module:
+        """The decomposed q/dq reference graph of ``prepared`` (:func:`~qlightning.engines.fx.reference.reference_module`).
+
+        Args:
+            prepared: the prepared (fake-quant) module; left untouched.
+            int8: the converted module (its clamps say which activation ranges to keep).
+            spec: the spec it was converted with (custom config, backend config, ``trained_qparams``);
+                ``None`` uses torch.ao's defaults.
+        """
         if spec is None:
             return reference_module(prepared, int8)
         return reference_module(prepared, int8, spec.convert_custom_config, self.backend_config(spec),
                                 trained=spec.options.get("trained_qparams", True))
 
     def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
+        """``prepare_qat_fx`` (QAT) or ``prepare_fx`` (PTQ) of ``module`` with the spec's mapping and configs.
+
+        For QAT, the fast fake-quant forwards are swapped in (engine options ``fast_qat``, ``fast_conv_bn``,
+        ``fast_linear``) and the fake-quant state is settled. A failure to trace raises
+        :class:`~qlightning.errors.TraceError`.
+
+        Args:
+            module: the float module (put in train mode for QAT, eval for PTQ).
+            inputs: example inputs of one call (bound to positions for tracing).
+            spec: the resolved spec.
+
+        Returns:
+            The prepared GraphModule.
+        """
         quantized_engine(spec.backend)
         if spec.is_qat:
             check_batch_norm_gammas(module)
@@ -360,7 +446,11 @@ class FxEngine(QuantEngine):
         return prepared
 
     def compile_training(self, module: nn.Module) -> bool:
-        """Training forwards through ``torch.compile`` with traceable fake-quants (``compiled.py``)."""
+        """Training forwards through ``torch.compile`` with traceable fake-quants (``compiled.py``).
+
+        Args:
+            module: the prepared module; the fast fake-quant forwards are restored to torch.ao's first.
+        """
         from qlightning.engines.fx.compiled import compile_for_training
 
         restore_fake_quant(module)  # the eager fast path reads flags on the host and packs masks with numpy
@@ -368,6 +458,11 @@ class FxEngine(QuantEngine):
         return True
 
     def decompile(self, module: nn.Module) -> None:
+        """Undo :meth:`compile_training` on ``module``.
+
+        Args:
+            module: the prepared module.
+        """
         from qlightning.engines.fx.compiled import decompile
 
         decompile(module)
@@ -440,6 +535,12 @@ class FxEngine(QuantEngine):
                 yield m
 
     def set_phase(self, module: nn.Module, phase: Phase) -> None:
+        """Switch fake-quant, observers (and LSQ qparam learning) and BatchNorm statistics to ``phase``.
+
+        Args:
+            module: the prepared module.
+            phase: the phase to apply; with ``bn_frozen``, unfused BatchNorms are put in eval mode too.
+        """
         for m in self._quant_modules(module):
             # the fast path's cached scales / zero points go with every phase or observer change: the callback
             # makes one after each buffer broadcast (DDP), which writes them without a version bump
@@ -458,12 +559,28 @@ class FxEngine(QuantEngine):
                     m.eval()
 
     def set_observers(self, module: nn.Module, enabled: bool) -> None:
+        """Turn every fake-quant's observer on or off.
+
+        Args:
+            module: the prepared module.
+            enabled: whether observers update.
+        """
         for m in self._quant_modules(module):
             m.__dict__.pop("_qlightning_cache", None)  # as in set_phase
             if isinstance(m, self.ao.FakeQuantizeBase):
                 m.enable_observer(enabled)
 
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
+        """``convert_fx`` of the prepared module, then weights clamped to their fake-quant range, activations
+        clamped to the trained range (``clamp_activations``) and spatial means pooled (``pool_spatial_means``).
+
+        Args:
+            module: the prepared module (decompiled and put in eval mode).
+            spec: the resolved spec (backend, convert custom config, engine options).
+
+        Returns:
+            The int8 GraphModule.
+        """
         quantized_engine(spec.backend)
         self.decompile(module)
         module.eval()
@@ -492,12 +609,22 @@ class FxEngine(QuantEngine):
         return converted
 
     def quant_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, buffer)`` of every buffer of the fake-quants and observers of ``module``.
+
+        Args:
+            module: the prepared module.
+        """
         for name, m in module.named_modules():
             if isinstance(m, (self.ao.FakeQuantizeBase, self.ao.ObserverBase)):
                 for buf_name, buf in m.named_buffers(prefix=name):
                     yield buf_name, buf
 
     def describe_qparams(self, module: nn.Module) -> dict[str, dict[str, Any]]:
+        """``{fake-quant name: {scale_mean, zero_point_mean, fake_quant, observer}}`` of ``module``.
+
+        Args:
+            module: the prepared module.
+        """
         summary = {}
         for name, m in module.named_modules():
             if isinstance(m, self.ao.FakeQuantizeBase) and hasattr(m, "scale"):

@@ -187,6 +187,9 @@ def fast_fake_quant_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor
     are the op's own numbers; per-channel min/max (one vectorized reduction instead of the op's
     per-channel loop) and the fake-quant itself are computed here. When the module was fused with the
     ReLU before it (:func:`fuse_relu_fake_quant`), it applies that ReLU first, in the same function.
+
+    Args:
+        X: the input; small, non-CPU or non-float32 inputs take torch.ao's own forward.
     """
     relu = self.__dict__.get("_qlightning_relu", False)
     if X.numel() < MIN_ELEMENTS or X.device.type != "cpu" or X.dtype != torch.float32:
@@ -296,6 +299,10 @@ def fast_linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
 
     The weight fake-quant module still observes and derives its qparams exactly as
     :func:`fast_fake_quant_forward` does (same state); only what autograd keeps changes.
+
+    Args:
+        input: the layer input; small weights, no grad, non-CPU or non-float32 inputs and inputs of fewer
+            than 2 dims take torch.ao's own forward.
     """
     fq = self._modules["weight_fake_quant"]
     weight = self._parameters["weight"]
@@ -324,6 +331,9 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
     to ``s`` reads the conv output, which is kept alive for it). The division is per output channel, so
     it moves onto the weight: ``bn(conv(x, fq(w * s) / s, b))``, the same function (float rounding
     differs, ~1e-7 relative), computed on the small weight tensor.
+
+    Args:
+        input: the conv input.
     """
     running_std = torch.sqrt(self.bn.running_var + self.bn.eps)
     scale_factor = self.bn.weight / running_std
@@ -382,6 +392,11 @@ def _eligible(m: nn.Module) -> bool:
 
 
 def is_fast(m: nn.Module) -> bool:
+    """Whether ``m``'s instance forward is :func:`fast_fake_quant_forward` (set by :func:`swap_fake_quant`).
+
+    Args:
+        m: the module to inspect.
+    """
     return getattr(m.__dict__.get("forward"), "__func__", None) is fast_fake_quant_forward
 
 
@@ -395,6 +410,9 @@ def fuse_relu_fake_quant(gm: nn.Module) -> int:
     Only where the ReLU's output has no other user, both modules are called once in the graph (torch.ao
     shares one observer between ops that share qparams; models reuse one ``nn.ReLU``) and the fake-quant
     is per-tensor. Returns how many pairs were fused.
+
+    Args:
+        gm: the prepared GraphModule (a module without a graph fuses nothing).
     """
     graph = getattr(gm, "graph", None)
     if graph is None:
@@ -433,6 +451,13 @@ def swap_fake_quant(module: nn.Module, fake_quant: bool = True, conv_bn: bool = 
     QAT ``ConvBn*`` / ``ConvBnReLU*`` (the same function up to float rounding). ``relu`` (default: with
     ``conv_bn``): ReLU of a ``ConvBnReLU*d`` applied inside the fake-quant after it (bit-identical).
     Only instance methods change: classes, state and ``convert_fx`` are untouched.
+
+    Args:
+        module: the prepared module.
+        fake_quant: swap the fused moving-average fake-quants with min/max observers.
+        conv_bn: swap the conv-bn QAT modules' ``_forward_approximate``.
+        relu: fuse ReLUs into the fake-quants after them (:func:`fuse_relu_fake_quant`); ``None`` follows ``conv_bn``.
+        linear: swap QAT ``Linear`` / ``LinearReLU`` forwards (large enough weights only).
     """
     count = 0
     for m in module.modules():
@@ -452,7 +477,14 @@ def swap_fake_quant(module: nn.Module, fake_quant: bool = True, conv_bn: bool = 
 
 
 def restore_fake_quant(module: nn.Module) -> int:
-    """Undo :func:`swap_fake_quant`."""
+    """Undo :func:`swap_fake_quant`.
+
+    Args:
+        module: the prepared module; instance forwards and cached qparams are removed from every submodule.
+
+    Returns:
+        How many patched methods and ReLU flags were removed (cache entries not counted).
+    """
     count = 0
     for m in module.modules():
         for name in ("forward", "_forward_approximate", "_qlightning_cache", "_qlightning_relu"):
@@ -463,6 +495,11 @@ def restore_fake_quant(module: nn.Module) -> int:
 
 
 def fast_modules(module: nn.Module) -> Iterator[nn.Module]:
+    """The submodules of ``module`` that run :func:`fast_fake_quant_forward`.
+
+    Args:
+        module: the prepared module.
+    """
     for m in module.modules():
         if is_fast(m):
             yield m

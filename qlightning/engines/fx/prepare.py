@@ -35,6 +35,10 @@ class ModuleDevice:
     torch.ao collects the set of devices of all parameters and buffers and takes an arbitrary one;
     a module whose tensors live on one device (the only case where that choice is well defined)
     gets the same answer from its first tensor.
+
+    Args:
+        module: the module whose first parameter (or buffer) gives the device; calling the object
+            returns ``{"device": ...}``, or ``None`` when the module has no tensors.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -114,7 +118,11 @@ def _per_constructors(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 @contextlib.contextmanager
 def faster_prepare(enabled: bool = True) -> Iterator[None]:
-    """Within this block, torch.ao's FX prepare skips the throw-away observer constructions (module doc)."""
+    """Within this block, torch.ao's FX prepare skips the throw-away observer constructions (module doc).
+
+    Args:
+        enabled: patch torch.ao for the block; ``False`` leaves it unchanged (``fast_prepare=False``).
+    """
     if not enabled:
         yield
         return

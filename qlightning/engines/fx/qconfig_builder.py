@@ -78,7 +78,17 @@ def load_presets() -> dict[str, dict]:
 
 
 class QConfigBuilder:
-    """Builds torch.ao objects from plain data for one backend and mode (QAT or PTQ)."""
+    """Builds torch.ao objects from plain data for one backend and mode (QAT or PTQ).
+
+    Every builder method appends its problems (naming the config key) to ``errors`` and returns ``None``
+    for what it could not build.
+
+    Args:
+        backend: the quantized backend (``x86``, ``fbgemm``, ``qnnpack``, ``onednn``).
+        is_qat: build fake-quants (QAT) rather than observers (PTQ).
+        presets: extra qconfig presets by name, over the shipped ones (:func:`load_presets`).
+        trusted: module names the user trusts for class paths (observers, object types, custom modules).
+    """
 
     def __init__(self, backend: str, is_qat: bool, presets: Optional[Mapping[str, Any]] = None,
                  trusted: Iterable[str] = ()) -> None:
@@ -92,6 +102,14 @@ class QConfigBuilder:
 
     # ---------------------------------------------------------------- one observer / fake-quant
     def observer(self, spec: Any, key: str, errors: list[str]) -> Any:
+        """An observer constructor (PTQ) or a fake-quant constructor around one (QAT) from a plain mapping.
+
+        Args:
+            spec: ``{observer, dtype, qscheme, quant_min, quant_max, fake_quant, ...}``; without
+                ``quant_min``/``quant_max`` an integer dtype (other than quint4x2) gets its full range.
+            key: the config key, for messages.
+            errors: list the problems are appended to.
+        """
         spec = plain(spec)
         if not isinstance(spec, Mapping):
             errors.append(f"{key}={spec!r}: expected a mapping with 'observer', 'dtype', 'qscheme', ...")
@@ -171,6 +189,17 @@ class QConfigBuilder:
 
     # ---------------------------------------------------------------- one qconfig
     def qconfig(self, spec: Any, key: str, errors: list[str]) -> Any:
+        """A ``QConfig`` from a preset name, ``None``/``"none"`` (no quantization, ``None``), or
+        ``{activation, weight}``.
+
+        On x86/fbgemm, ranges that would overflow the int16 pair sums of the u8 x s8 kernels are narrowed
+        (presets, weights left to the default) or refused (both ranges given).
+
+        Args:
+            spec: the qconfig as plain data.
+            key: the config key, for messages.
+            errors: list the problems are appended to.
+        """
         spec = plain(spec)
         if spec is None or spec == "none":
             return None
@@ -251,6 +280,14 @@ class QConfigBuilder:
 
     # ---------------------------------------------------------------- the mapping
     def qconfig_mapping(self, spec: Any, key: str, errors: list[str]) -> Any:
+        """A ``QConfigMapping`` from plain data: ``global`` (``default`` starts from the backend's default
+        mapping), ``object_type``, ``module_name``, ``module_name_regex``, ``module_name_object_type_order``.
+
+        Args:
+            spec: the mapping as plain data; ``None`` is ``{global: default}``, a string is the global qconfig.
+            key: the config key, for messages.
+            errors: list the problems are appended to.
+        """
         spec = plain(spec)
         mapping = self.tq.QConfigMapping()
         if spec is None:
@@ -310,6 +347,16 @@ class QConfigBuilder:
 
     # ---------------------------------------------------------------- custom configs
     def prepare_custom_config(self, spec: Any, key: str, errors: list[str]) -> Any:
+        """A ``PrepareCustomConfig`` from plain data (non-traceable and standalone modules, float-to-observed
+        pairs, quantized input/output indexes, preserved attributes).
+
+        Standalone modules get no example inputs here: the engine captures them from a real forward.
+
+        Args:
+            spec: the ``prepare`` section as plain data (``None`` for an empty config).
+            key: the config key, for messages.
+            errors: list the problems are appended to.
+        """
         from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
 
         spec = plain(spec) or {}
@@ -339,6 +386,13 @@ class QConfigBuilder:
         return config
 
     def convert_custom_config(self, spec: Any, key: str, errors: list[str]) -> Any:
+        """A ``ConvertCustomConfig`` from plain data (observed-to-quantized pairs, preserved attributes).
+
+        Args:
+            spec: the ``convert`` section as plain data (``None`` for an empty config).
+            key: the config key, for messages.
+            errors: list the problems are appended to.
+        """
         from torch.ao.quantization.fx.custom_config import ConvertCustomConfig
 
         spec = plain(spec) or {}
@@ -365,7 +419,13 @@ class QConfigBuilder:
         return table[name]
 
     def equalization_mapping(self, spec: Any, key: str, errors: list[str]) -> Any:
-        """``[module names]`` or ``{global: true}`` -> QConfigMapping of ``default_equalization_qconfig`` (PTQ only)."""
+        """``[module names]`` or ``{global: true}`` -> QConfigMapping of ``default_equalization_qconfig`` (PTQ only).
+
+        Args:
+            spec: a list of module names, ``{module_name: [...]}`` or ``{global: true}``; empty gives ``None``.
+            key: the config key, for messages.
+            errors: list the problems are appended to.
+        """
         spec = plain(spec)
         if not spec:
             return None
@@ -383,6 +443,13 @@ class QConfigBuilder:
         return mapping
 
     def backend_config(self, name: Optional[str], key: str, errors: list[str]) -> Any:
+        """torch.ao's ``BackendConfig`` by name (``x86``, ``fbgemm``, ``qnnpack``, ``onednn``, ``native``, ``executorch``).
+
+        Args:
+            name: the backend config's name; ``None`` gives ``None``.
+            key: the config key, for messages.
+            errors: list the problem is appended to.
+        """
         if name is None:
             return None
         from torch.ao.quantization import backend_config as bc
@@ -398,7 +465,13 @@ class QConfigBuilder:
 
 
 def supported_backends(qconfig: Any, module_types: Iterable[type], backends: Iterable[str]) -> list[str]:
-    """Backends whose BackendConfig accepts ``qconfig`` for every one of ``module_types``."""
+    """Backends whose BackendConfig accepts ``qconfig`` for every one of ``module_types``.
+
+    Args:
+        qconfig: the ``QConfig`` to check.
+        module_types: module classes (a class the BackendConfig has no pattern for does not count against it).
+        backends: the backends to try, among ``x86``, ``fbgemm``, ``qnnpack``, ``onednn``.
+    """
     from torch.ao.quantization import backend_config as bc
     from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
     from torch.ao.quantization.fx.qconfig_mapping_utils import _is_qconfig_supported_by_dtype_configs

@@ -46,7 +46,12 @@ def _tq() -> Any:
 
 def weight_range(bits: int, narrow_range: bool = True) -> tuple[int, int]:
     """Signed integer range of ``bits``-bit weights: ``[-(2^(b-1)-1), 2^(b-1)-1]`` when
-    ``narrow_range`` (symmetric, so the largest weight is not clipped), else ``[-2^(b-1), 2^(b-1)-1]``."""
+    ``narrow_range`` (symmetric, so the largest weight is not clipped), else ``[-2^(b-1), 2^(b-1)-1]``.
+
+    Args:
+        bits: the weight bit width.
+        narrow_range: leave out the most negative value so the range is symmetric.
+    """
     half = 2 ** (bits - 1)
     return (-(half - 1) if narrow_range else -half), half - 1
 
@@ -142,6 +147,18 @@ def low_bit_qconfig_mapping(
     special entries of the backend's default mapping keep their defaults (ConvTranspose and
     LayerNorm stay 8-bit). With ``check`` (default), raises :class:`ConfigError` if the backend
     config would silently leave Conv2d or Linear in float with this qconfig.
+
+    Args:
+        backend: the backend whose default mapping is the base (QAT: qlightning's default QAT mapping).
+        weight_bits: see :func:`low_bit_qconfig`.
+        activation_bits: see :func:`low_bit_qconfig`.
+        per_channel: see :func:`low_bit_qconfig`.
+        is_qat: see :func:`low_bit_qconfig`.
+        narrow_range: see :func:`low_bit_qconfig`.
+        activation_observer: see :func:`low_bit_qconfig`.
+        reduce_range: see :func:`low_bit_qconfig`.
+        weight_averaging_constant: see :func:`low_bit_qconfig`.
+        check: raise if the backend would leave Conv2d or Linear in float.
     """
     qconfig = low_bit_qconfig(
         weight_bits, activation_bits, per_channel=per_channel, is_qat=is_qat, backend=backend,
@@ -169,7 +186,13 @@ def low_bit_qconfig_mapping(
 
 
 def unsupported_types(qconfig: Any, backend: str, module_types: Iterable[type]) -> list[type]:
-    """Module types whose pattern in ``backend``'s BackendConfig rejects ``qconfig`` (would stay float)."""
+    """Module types whose pattern in ``backend``'s BackendConfig rejects ``qconfig`` (would stay float).
+
+    Args:
+        qconfig: the ``QConfig`` to check.
+        backend: the backend whose ``BackendConfig`` is asked.
+        module_types: the module classes to check (a class without a pattern is not reported).
+    """
     from torch.ao.quantization.fx.qconfig_mapping_utils import _is_qconfig_supported_by_dtype_configs
 
     config = backend_config_for(backend)
@@ -189,6 +212,10 @@ def dynamic_qconfig_mapping(mode: str = "dynamic", module_types: Optional[Sequen
 
     In both modes Embedding / EmbeddingBag get int8 weight-only quantization
     (``float_qparams_weight_only_qconfig``). Nothing else is quantized (global qconfig ``None``).
+
+    Args:
+        mode: ``"dynamic"`` or ``"weight_only"``; anything else raises :class:`ConfigError`.
+        module_types: the types to quantize instead of ``DYNAMIC_TYPES`` (embeddings are added either way).
     """
     if mode not in DYNAMIC_MODES:
         raise ConfigError(f"mode={mode!r}: valid dynamic modes: {list(DYNAMIC_MODES)}")
@@ -206,6 +233,11 @@ def quantize_dynamic_eager(module: nn.Module, mode: str = "dynamic", module_type
     """Eager-mode ``torch.ao.quantization.quantize_dynamic`` (no tracing), for models FX cannot trace.
 
     Same choices as :func:`dynamic_qconfig_mapping`; returns a new module (the input is not modified).
+
+    Args:
+        module: the float module.
+        mode: ``"dynamic"`` or ``"weight_only"``; anything else raises :class:`ConfigError`.
+        module_types: the types to quantize instead of ``DYNAMIC_TYPES`` (embeddings are added either way).
     """
     if mode not in DYNAMIC_MODES:
         raise ConfigError(f"mode={mode!r}: valid dynamic modes: {list(DYNAMIC_MODES)}")
@@ -223,7 +255,14 @@ def quantize_dynamic_eager(module: nn.Module, mode: str = "dynamic", module_type
 
 
 def quantized_weights(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The quantized weight tensor of every converted Conv/Linear (static or dynamic) in ``module``."""
+    """The quantized weight tensor of every converted Conv/Linear (static or dynamic) in ``module``.
+
+    Args:
+        module: the converted module; submodules with packed weights (``weight()`` and ``set_weight_bias``) count.
+
+    Returns:
+        ``{submodule name: quantized weight}``.
+    """
     out = {}
     for name, m in module.named_modules():
         weight = getattr(m, "weight", None)
@@ -238,7 +277,11 @@ def quantized_weights(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def weight_int_range(module: nn.Module) -> dict[str, tuple[int, int]]:
-    """(min, max) of the stored integers of every converted weight: the bits a model really uses."""
+    """(min, max) of the stored integers of every converted weight: the bits a model really uses.
+
+    Args:
+        module: the converted module (see :func:`quantized_weights`).
+    """
     return {n: (int(w.int_repr().min()), int(w.int_repr().max())) for n, w in quantized_weights(module).items()}
 
 
@@ -248,6 +291,11 @@ def clamp_quantized_weights(module: nn.Module, quant_min: int, quant_max: int) -
     ``convert_fx`` quantizes weights with the observer's scale but clamps only to the int8
     storage range, not to a narrower ``quant_min``/``quant_max``: after QAT with frozen weight
     observers a "4-bit" model can hold weights up to +-127. Returns how many values were clamped.
+
+    Args:
+        module: the converted module (or one converted layer); its packed weights are replaced.
+        quant_min: the lowest stored integer kept.
+        quant_max: the highest stored integer kept.
     """
     clamped = 0
     for name, w in quantized_weights(module).items():
@@ -299,7 +347,11 @@ def _observer_of(factory: Any) -> Any:
 
 def ptq_qconfig(qconfig: Any) -> Any:
     """The PTQ counterpart of a QAT ``QConfig``: each fake-quant replaced by its observer
-    (moving-average min/max observers by plain min/max ones), same dtypes and ranges."""
+    (moving-average min/max observers by plain min/max ones), same dtypes and ranges.
+
+    Args:
+        qconfig: the QAT ``QConfig``; ``None`` gives ``None``, and observer entries are kept as they are.
+    """
     if qconfig is None:
         return None
     tq = _tq()
@@ -307,7 +359,11 @@ def ptq_qconfig(qconfig: Any) -> Any:
 
 
 def ptq_qconfig_mapping(mapping: Any) -> Any:
-    """The PTQ counterpart of a QAT ``QConfigMapping`` (see :func:`ptq_qconfig`), entry by entry."""
+    """The PTQ counterpart of a QAT ``QConfigMapping`` (see :func:`ptq_qconfig`), entry by entry.
+
+    Args:
+        mapping: the QAT ``QConfigMapping`` (not modified).
+    """
     tq = _tq()
     out = tq.QConfigMapping().set_global(ptq_qconfig(mapping.global_qconfig))
     for key, qc in mapping.object_type_qconfigs.items():

@@ -38,6 +38,9 @@ def full_range_activations(gm: torch.fx.GraphModule) -> int:
     The lowered FX int8 model stores activations as quint8/qint8 tensors over the whole dtype range;
     ``reduce_range`` (x86/fbgemm qconfigs observe over [0, 127]) only shrinks the scale. The decomposed
     reference graph keeps the observer's range and would clip where the int8 model does not.
+
+    Args:
+        gm: the decomposed reference graph, changed in place and recompiled.
     """
     qd = quantized_decomposed_ops()
     per_tensor = _overloads(qd.quantize_per_tensor) | _overloads(qd.dequantize_per_tensor)

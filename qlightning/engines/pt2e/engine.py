@@ -626,6 +626,11 @@ class Pt2eEngine(QuantEngine):
     converts_to_qdq_graph = True
 
     def converted_here(self, module: nn.Module) -> bool:
+        """Whether ``module`` is this engine's output: its graph holds ``quantized_decomposed`` q/dq ops.
+
+        Args:
+            module: the module to inspect.
+        """
         return any(str(getattr(node, "target", "")).startswith("quantized_decomposed")
                    for node in getattr(getattr(module, "graph", None), "nodes", ()))
 
@@ -639,7 +644,12 @@ class Pt2eEngine(QuantEngine):
     # ------------------------------------------------------------------ spec
 
     def check_spec(self, spec: QuantSpec) -> None:
-        """Reject settings the PT2E engine cannot honour, all at once, naming the config keys."""
+        """Reject settings the PT2E engine cannot honour, all at once, naming the config keys.
+
+        Args:
+            spec: the spec; a non-Quantizer ``qconfig_mapping``, a backend other than x86 (without a
+                custom Quantizer), FX-only settings and equalization raise one :class:`ConfigError`.
+        """
         errors: list[str] = []
         custom_quantizer = isinstance(spec.qconfig_mapping, self.ao.Quantizer)
         if spec.qconfig_mapping is not None and not custom_quantizer:
@@ -669,6 +679,15 @@ class Pt2eEngine(QuantEngine):
         ``global``, ``object_type`` and ``module_name`` carry over; each qconfig may be ``default``,
         ``dynamic``, ``reduce_range`` (for CPUs without VNNI) or ``null``. Presets, observer specs,
         regexes and call-order entries are FX features and are refused, naming the FX engine.
+
+        Args:
+            data: the plain-data ``qconfig_mapping`` (a string or ``None`` is the global qconfig).
+            is_qat: build QAT configs (``x86_config(is_qat=...)``).
+            errors: list the problems are appended to.
+            trusted: module names the user trusts, for ``object_type`` class paths.
+
+        Returns:
+            The configured ``X86InductorQuantizer``.
         """
         data = plain(data)
         data = {"global": data} if isinstance(data, str) or data is None else data
@@ -724,6 +743,13 @@ class Pt2eEngine(QuantEngine):
             quantizer.set_module_type_qconfig(nn.Linear, averaged)
 
     def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
+        """A plain-data ``qconfig_mapping`` turned into a quantizer (:meth:`quantizer_from_data`), then
+        :meth:`check_spec`.
+
+        Args:
+            spec: the spec as given.
+            errors: list every problem is appended to (nothing is raised).
+        """
         from dataclasses import replace
 
         value = spec.qconfig_mapping
@@ -736,6 +762,12 @@ class Pt2eEngine(QuantEngine):
         return spec
 
     def quantizer(self, spec: QuantSpec) -> Any:
+        """The torchao quantizer to prepare with: the spec's own ``Quantizer``, else ``X86InductorQuantizer``
+        with the default x86 config; composed after an ``EmbeddingQuantizer`` with ``quantize_embeddings``.
+
+        Args:
+            spec: the resolved spec.
+        """
         if isinstance(spec.qconfig_mapping, self.ao.Quantizer):
             quantizer = spec.qconfig_mapping
         else:
@@ -764,6 +796,15 @@ class Pt2eEngine(QuantEngine):
         one ``Dim``. A batch of 1 is repeated to 2: export specializes sizes 0 and 1. ``dynamic_dims``
         lists further dims of those inputs (e.g. ``[1]``, the sequence length of token ids and their
         attention mask) that are exported as ``Dim.AUTO`` (dynamic unless the model forces a size).
+
+        Args:
+            module: the module to export (its ``forward`` signature names the ``dynamic_shapes`` entries).
+            inputs: example inputs of one call.
+            dynamic_batch: mark dim 0 as dynamic; if false, ``dynamic_shapes`` is ``None``.
+            dynamic_dims: further dims exported as ``Dim.AUTO``.
+
+        Returns:
+            ``(args, kwargs, dynamic_shapes)``.
         """
         from torch.utils._pytree import tree_flatten, tree_map
 
@@ -803,6 +844,18 @@ class Pt2eEngine(QuantEngine):
         return args, kwargs, dynamic
 
     def prepare(self, module: nn.Module, inputs: Inputs, spec: QuantSpec) -> nn.Module:
+        """``torch.export`` of ``module``, then ``prepare_qat_pt2e`` (QAT) or ``prepare_pt2e`` (PTQ).
+
+        A failure of either raises :class:`~qlightning.errors.TraceError`.
+
+        Args:
+            module: the float module (put in train mode for QAT, eval for PTQ).
+            inputs: example inputs of one call (see :meth:`export_inputs`).
+            spec: the resolved spec (quantizer and engine options).
+
+        Returns:
+            The prepared GraphModule, whose ``train()`` / ``eval()`` switch its exported modes.
+        """
         self.check_spec(spec)
         if spec.is_qat:
             check_batch_norm_gammas(module)
@@ -857,6 +910,12 @@ class Pt2eEngine(QuantEngine):
                 yield m  # type: ignore[misc]
 
     def set_phase(self, module: nn.Module, phase: Phase) -> None:
+        """Switch fake-quant, observers (and learnable qparams) and BatchNorm statistics to ``phase``.
+
+        Args:
+            module: the prepared module.
+            phase: the phase to apply.
+        """
         for _, m in self._quant_modules(module):
             if isinstance(m, self.ao.fake_quant_types):
                 m.enable_fake_quant(phase.fake_quant)
@@ -873,6 +932,12 @@ class Pt2eEngine(QuantEngine):
             _rewrite_modes(gm, gm.training)
 
     def set_observers(self, module: nn.Module, enabled: bool) -> None:
+        """Turn every top-level fake-quant's observer, and every plain observer, on or off.
+
+        Args:
+            module: the prepared module.
+            enabled: whether observers update.
+        """
         for _, m in self._quant_modules(module):
             if isinstance(m, self.ao.fake_quant_types):
                 m.enable_observer(enabled)
@@ -917,6 +982,16 @@ class Pt2eEngine(QuantEngine):
                 type(observer).forward(observer, weight.detach())
 
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
+        """``convert_pt2e`` of the prepared module (observers off, eval mode), without the float
+        parameters the int8 graph no longer reads.
+
+        Args:
+            module: the GraphModule :meth:`prepare` returned (anything else raises ``TypeError``).
+            spec: the resolved spec (engine options ``fast_fold``, ``trained_qparams``, ``fold_quantize``).
+
+        Returns:
+            The Q/DQ reference GraphModule.
+        """
         self.check_spec(spec)
         if not isinstance(module, torch.fx.GraphModule):
             raise TypeError(f"Pt2eEngine.convert expects the module returned by prepare, got {type(module).__name__}")
@@ -940,11 +1015,21 @@ class Pt2eEngine(QuantEngine):
     # ------------------------------------------------------------------ state
 
     def quant_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, buffer)`` of every buffer of the top-level fake-quants and observers of ``module``.
+
+        Args:
+            module: the prepared module.
+        """
         for name, m in self._quant_modules(module):
             for buf_name, buf in m.named_buffers(prefix=name):
                 yield buf_name, buf
 
     def describe_qparams(self, module: nn.Module) -> dict[str, dict[str, Any]]:
+        """``{fake-quant name: {scale_mean, zero_point_mean, fake_quant, observer}}`` of ``module``.
+
+        Args:
+            module: the prepared module.
+        """
         summary = {}
         for name, m in self._quant_modules(module):
             if isinstance(m, self.ao.fake_quant_types) and isinstance(getattr(m, "scale", None), torch.Tensor):
