@@ -36,8 +36,6 @@ import dataclasses
 import functools
 import inspect
 import itertools
-import logging
-import warnings
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -48,6 +46,7 @@ from qlightning.engines.base import (
     Inputs, QuantEngine, QuantSpec, ZeroCenteredWeightRange, check_batch_norm_gammas, current_range_weight_ctr, settle_fake_quant_state, trained_qparams,
 )
 from qlightning.engines.names import plain, resolve_reference
+from qlightning.core.quiet import quiet
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
 from qlightning.core.schedule import Phase
 
@@ -61,25 +60,12 @@ _FX_ONLY = (
 )
 
 
-@contextlib.contextmanager
-def _quiet_torchao_import() -> Iterator[None]:
-    """Silence what importing torchao says on every CPU machine (nothing a user can act on)."""
-    # torchao logs a warning for every optional CUDA kernel library it cannot load on a CPU build,
-    # and registers an Enum as a pytree constant, which torch's pytree logs as deprecated.
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            # torchao imports torch.utils.mkldnn, whose @torch.jit.script_method warns (torch 2.13)
-            warnings.filterwarnings(
-                "ignore", message=r".*torch\.jit\.script_method.*deprecated", category=DeprecationWarning
-            )
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+def _quiet_torchao_import() -> Any:
+    """Silence what importing torchao says on every CPU machine (nothing a user can act on): torchao logs a
+    warning for every optional CUDA kernel library it cannot load on a CPU build and registers an Enum as a
+    pytree constant, which torch's pytree logs as deprecated; it imports torch.utils.mkldnn, whose
+    ``@torch.jit.script_method`` warns (torch 2.13)."""
+    return quiet(messages=(r".*torch\.jit\.script_method.*deprecated",), loggers=("torchao", "torch.utils._pytree"))
 
 
 def load_torchao() -> SimpleNamespace:
@@ -105,8 +91,7 @@ def load_torchao() -> SimpleNamespace:
     fake_quant_types: tuple[type, ...] = (FakeQuantizeBase,)
     observer_types: tuple[type, ...] = (ObserverBase,)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet(all_warnings=True):
             from torch.ao.quantization.fake_quantize import FakeQuantizeBase as AoFakeQuantizeBase
             from torch.ao.quantization.observer import ObserverBase as AoObserverBase
         fake_quant_types += (AoFakeQuantizeBase,)
