@@ -269,7 +269,7 @@ def test_torchrun_runs_the_cli_job_on_two_processes(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "qlightning.cli", "train",
-        "trainer.strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.max_epochs=2",
+        "trainer.strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "trainer.max_epochs=4",
         "quant.schedule.auto=true", f"hydra.run.dir={run_dir}",
     ]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

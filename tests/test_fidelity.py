@@ -81,13 +81,13 @@ def test_evaluation_stages_leave_every_buffer_bit_identical(engine, fake_quant_s
         _assert_identical(before, _buffers(model.net), f"trainer.{stage}")
 
 
-def _default_job(engine: str, seed: int = 0, fidelity: object = True, **options):
+def _default_job(engine: str, seed: int = 0, fidelity: object = True, qconfig_mapping: object = None, **options):
     """The embedded default job (digits CNN, x86, fake-quant from epoch 3, freeze at 6, 8 epochs)."""
     pl.seed_everything(seed)
     dm = DigitsDataModule(seed=seed)
     model = DigitsClassifier()
     qat = QuantizationAwareTraining(modules=["net"], backend="x86", engine=engine, engine_options=options,
-                                    fidelity=fidelity, **DEFAULT_SCHEDULE)
+                                    fidelity=fidelity, qconfig_mapping=qconfig_mapping, **DEFAULT_SCHEDULE)
     make_trainer([qat]).fit(model, datamodule=dm)
     dm.setup()
     x, y = dm.splits["test"].tensors
@@ -115,7 +115,14 @@ def test_int8_computes_what_fake_quant_trained(engine):
 
 @pytest.mark.slow  # as above
 def test_fx_clamp_and_trained_qparams_are_what_close_the_gap():
-    """Without the two convert fixes the FX gap is back (the test above is not passing by luck)."""
+    """Without the two convert fixes the FX gap is back (the test above is not passing by luck).
+
+    Measured with torch.ao's own default QAT mapping (weight ranges averaged over steps), where the gap was
+    found: the default mapping's current weight ranges (notes/defaults.md) leave less between the trained and
+    the re-derived weight scales, so there the gap without the fixes is smaller (not a reason to drop them)."""
+    from torch.ao.quantization import get_default_qat_qconfig_mapping
+
     # the callback's fit-end fidelity gate would refuse this int8 model: warn, so that it is measured here
-    fake_quant, int8, _ = _default_job("fx", fidelity={"on_breach": "warn"}, clamp_activations=False, trained_qparams=False)
+    fake_quant, int8, _ = _default_job("fx", fidelity={"on_breach": "warn"}, qconfig_mapping=get_default_qat_qconfig_mapping("x86"),
+                                       clamp_activations=False, trained_qparams=False)
     assert sqnr_db(fake_quant, int8) < 20
