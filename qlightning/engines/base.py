@@ -318,6 +318,15 @@ def straddle_zero_(observer: nn.Module) -> None:
     observer.max_val.clamp_(min=tiny)
 
 
+def centres_on_zero(fq: nn.Module) -> bool:
+    """Whether ``fq`` keeps its observed range straddling zero (:class:`ZeroCenteredWeightRange`, symmetric qscheme).
+
+    Args:
+        fq: a fake-quant module.
+    """
+    return getattr(fq, "straddles_zero", False) and fq.is_symmetric_quant
+
+
 _ON = torch.ones(1, dtype=torch.long)
 _OFF = torch.zeros(1, dtype=torch.long)
 
@@ -360,7 +369,7 @@ class ZeroCenteredWeightRange:
         Args:
             X: the weight (or tensor) to fake-quantize.
         """
-        if not self.is_symmetric_quant or int(self.observer_enabled[0]) != 1:
+        if not centres_on_zero(self) or int(self.observer_enabled[0]) != 1:
             return super().forward(X)  # type: ignore[misc]
         with torch.no_grad():
             fused_fake_quant(self, X.detach(), _ON, _OFF)  # observe only (the op's own min/max update)

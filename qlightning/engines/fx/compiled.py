@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from qlightning.engines.base import straddle_zero_
+from qlightning.engines.base import centres_on_zero, straddle_zero_
 from qlightning.engines.fx.ao import quiet_torch_ao
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 
@@ -138,7 +138,7 @@ def traceable_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> t
             c = obs.averaging_constant
             min_val.copy_(torch.where(torch.isinf(min_val), current_min, min_val + c * (current_min - min_val)))
             max_val.copy_(torch.where(torch.isinf(max_val), current_max, max_val + c * (current_max - max_val)))
-            if getattr(self, "straddles_zero", False) and self.is_symmetric_quant:  # ZeroCenteredWeightRange
+            if centres_on_zero(self):  # ZeroCenteredWeightRange
                 straddle_zero_(obs)
     if not fake_quant:
         return X

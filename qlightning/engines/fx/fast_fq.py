@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from qlightning.engines.base import straddle_zero_
+from qlightning.engines.base import centres_on_zero, straddle_zero_
 from qlightning.engines.fx.ao import quiet_torch_ao
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 
@@ -214,7 +214,7 @@ def _observe_then_qparams(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor, 
     if buffers["observer_enabled"].item() == 1:
         with torch.no_grad():
             _observe(self, torch.relu(X.detach()) if relu else X.detach())
-            if getattr(self, "straddles_zero", False) and self.is_symmetric_quant:
+            if centres_on_zero(self):
                 straddle_zero_(self._modules["activation_post_process"])  # as ZeroCenteredWeightRange.forward
         self.__dict__.pop("_qlightning_cache", None)  # the op writes min/max in place without a version bump
     if buffers["fake_quant_enabled"].item() != 1:
