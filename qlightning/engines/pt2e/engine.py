@@ -50,6 +50,8 @@ from qlightning.core.quiet import quiet
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
 from qlightning.core.schedule import Phase
 
+#: the named qconfigs the pt2e engine takes: keyword arguments of get_default_x86_inductor_quantization_config
+_X86_VARIANTS = {"default": {}, "dynamic": {"is_dynamic": True}, "reduce_range": {"reduce_range": True}}
 _STATE_KEY = "qlightning_pt2e"  # in GraphModule.meta (deep-copied with the module)
 
 # Keys that only the FX engine understands: (QuantSpec attribute or option, config key to name).
@@ -681,11 +683,10 @@ class Pt2eEngine(QuantEngine):
         def config(value: Any, key: str) -> Any:
             if value is None or value == "none":
                 return None
-            variants = {"default": {}, "dynamic": {"is_dynamic": True}, "reduce_range": {"reduce_range": True}}
-            if isinstance(value, str) and value in variants:
-                return self.ao.x86_config(is_qat=is_qat, **variants[value])
+            if isinstance(value, str) and value in _X86_VARIANTS:
+                return self.ao.x86_config(is_qat=is_qat, **_X86_VARIANTS[value])
             errors.append(
-                f"{key}={value!r}: the pt2e engine (X86InductorQuantizer) takes {sorted(variants)} or null; "
+                f"{key}={value!r}: the pt2e engine (X86InductorQuantizer) takes {sorted(_X86_VARIANTS)} or null; "
                 "qconfig presets and observer specs need engine='fx'"
             )
             return None
@@ -722,9 +723,8 @@ class Pt2eEngine(QuantEngine):
             quantizer: the ``X86InductorQuantizer`` whose global config is the tracked default.
             variant: ``default``, ``dynamic`` or ``reduce_range`` (the global's variant).
         """
-        variants = {"default": {}, "dynamic": {"is_dynamic": True}, "reduce_range": {"reduce_range": True}}
-        if variant in variants:
-            averaged = self.ao.get_default_x86_inductor_quantization_config(is_qat=True, **variants[variant])
+        if variant in _X86_VARIANTS:
+            averaged = self.ao.get_default_x86_inductor_quantization_config(is_qat=True, **_X86_VARIANTS[variant])
             quantizer.set_module_type_qconfig(nn.Linear, averaged)
 
     def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
