@@ -103,6 +103,48 @@ def test_dropout_keeps_its_probability_across_train_eval(engine):
     assert (prepared(x) == 0).any()
 
 
+class ConvBnNet(nn.Module):
+    """Conv-BN-ReLU twice, BatchNorms with torchvision mobilenet_v3's eps and a non-default momentum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8, eps=1e-3, momentum=0.3), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.BatchNorm2d(8, eps=1e-3, momentum=0.3), nn.ReLU(),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_qat_conv_bn_fusion_keeps_batch_norm_momentum_and_eps(engine):
+    # torchao's QAT conv-bn fusion rewrote every BatchNorm with momentum 0.1 and eps 1e-5: before fake-quant,
+    # the prepared model's running statistics and eval outputs parted from the float model's
+    torch.manual_seed(0)
+    net = ConvBnNet()
+    with torch.no_grad():  # statistics far from the initial 0 / 1, so that eps and momentum both show
+        for bn in (net.body[1], net.body[4]):
+            bn.running_var.uniform_(1e-4, 1e-2)
+    reference = copy.deepcopy(net)
+    prepared = engine.prepare(net, Inputs((torch.randn(4, 3, 8, 8),)), QuantSpec(backend="x86"))
+    engine.set_phase(prepared, FLOAT)
+    bn_nodes = [n for n in prepared.graph.nodes if n.target == torch.ops.aten.batch_norm.default]
+    assert [(n.args[6], n.args[7]) for n in bn_nodes] == [(0.3, 1e-3)] * 2
+    x = torch.randn(16, 3, 8, 8)
+    prepared.eval()
+    reference.eval()
+    torch.testing.assert_close(prepared(x), reference(x), rtol=1e-3, atol=1e-4)  # eps
+    prepared.train()
+    reference.train()
+    with torch.no_grad():
+        prepared(x)
+        reference(x)
+    stats = {k: v for k, v in prepared.state_dict().items() if "running" in k}
+    for k, v in reference.state_dict().items():  # momentum
+        if "running" in k:
+            torch.testing.assert_close(stats[k.replace(".", "_") if k not in stats else k], v, rtol=1e-4, atol=1e-6)
+
+
 def test_phases_observers_and_batch_norm_freeze(engine):
     torch.manual_seed(0)
     net = DigitsCNN()
