@@ -416,6 +416,9 @@ def _fast_fold_conv_bn_qat(m: torch.fx.GraphModule) -> torch.fx.GraphModule:
             h._copy_over_q_dq_args(*node_map["conv_bias_dq"])
         conv_node = node_map["conv"][1]
         conv_bias = node_map["conv_bias"][1] if "conv_bias" in node_map else None
+        # torchao folds with the folded pattern's BatchNorm, written with F.batch_norm's eps (1e-5); the model's
+        # eps is on the matched node (kept at prepare, _keeping_batch_norm_literals): fold with that one
+        _copy_batch_norm_eps(*node_map["bn"])
         fold_bn_weights_into_conv_node(conv_node, node_map["conv_weight"][1], conv_bias, node_map["bn"][1], m)
         for original_node in h._filter_nodes_map(r.nodes_map).values():
             if h._is_conv_or_conv_transpose_node(original_node):
@@ -432,6 +435,18 @@ def _fast_fold_conv_bn_qat(m: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if _unfolded_qat_conv_bn(m):  # a variant this analysis missed: let torchao try all of them
         m = qu._fold_conv_bn_qat(m)
     return m
+
+
+def _batch_norm_eps_index(node: torch.fx.Node) -> int:
+    """Where ``eps`` is among a BatchNorm node's arguments (the inference op has no ``training``)."""
+    return 6 if "no_training" in str(node.target) else 7
+
+
+def _copy_batch_norm_eps(source: torch.fx.Node, target: torch.fx.Node) -> None:
+    """Give BatchNorm node ``target`` the ``eps`` of BatchNorm node ``source``."""
+    index = _batch_norm_eps_index(source)
+    if len(source.args) > index:
+        _set_arg(target, _batch_norm_eps_index(target), "eps", source.args[index])
 
 
 def _batch_norm_literals(m: torch.fx.GraphModule) -> dict[str, tuple[Any, Any]]:
