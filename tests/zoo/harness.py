@@ -20,6 +20,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 TARGET_SQNR_DB = 25.0
 TARGET_TOP1 = 0.99
+# The fake-quant model must have learned something before int8 vs fake-quant means anything: a model at
+# chance returns (nearly) the same logits for every input, and two constant outputs agree at any precision
+# (stop 21's short fits: 12 steps left every model but convnext at 6-18 %, and "200 dB" compared constants).
+MIN_LEARNED_ACCURACY = 0.25
+# BatchNorm momentum of the zoo's from-scratch fits: at torch's 0.1 (0.01 in mobilenet_v3 / efficientnet)
+# the running statistics trail weights that move fast from random init, so eval mode stayed at chance
+# (efficientnet_b0 after 48 steps: 12 % eval vs 57 % with batch statistics); at 0.5 they follow
+# (efficientnet_b0 57 %, mobilenet_v2 86 %).
+BN_MOMENTUM = 0.5
 ENGINES = ("fx", "pt2e")
 
 
@@ -61,6 +70,8 @@ class ZooModel:
     package: str  # torchvision | timm
     build: Callable[[], nn.Module]
     options: dict = field(default_factory=dict)  # extra callback arguments the model needs (documented)
+    steps: int = 48  # enough for the float model to learn digits well above chance (batch 32)
+    lr: float = 3e-3
 
 
 MODELS: dict[str, ZooModel] = {
@@ -72,8 +83,10 @@ MODELS: dict[str, ZooModel] = {
         ZooModel("shufflenet_v2_x0_5", "torchvision", _tv("shufflenet_v2_x0_5")),
         ZooModel("efficientnet_b0", "torchvision", _tv("efficientnet_b0")),
         ZooModel("regnet_x_400mf", "torchvision", _tv("regnet_x_400mf")),
-        ZooModel("vit_small_tv", "torchvision", _tv_vit),
-        ZooModel("timm_vit_tiny", "timm", _timm("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=4)),
+        # the ViTs learn slower from scratch: float 80 % after 192 steps at lr 1e-3 (vit_small_tv), 39 % after 96
+        ZooModel("vit_small_tv", "torchvision", _tv_vit, steps=192, lr=1e-3),
+        ZooModel("timm_vit_tiny", "timm", _timm("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=4),
+                 steps=144, lr=1e-3),
         ZooModel("timm_convnext_atto", "timm", _timm("convnext_atto")),
         ZooModel("timm_resnet10t", "timm", _timm("resnet10t")),
     )
@@ -100,24 +113,44 @@ KNOWN: dict[tuple[str, str], dict[str, Any]] = {
     ("efficientnet_b0", "fx"): {
         "status": "below target",
         "says": _GATE_NAMES_THE_ROUTE,
-        "note": "int8 vs fake-quant 14 dB (top-1 agreement 100 %) since the default weight ranges track the current "
-                "weights on conv-bn (200 dB with torch.ao's averaged ranges); the gate names the classifier; "
-                "cause not found yet (notes/defaults.md)",
+        "note": "the per-layer SQNR decays block by block, from 75 dB at the stem to ~24 dB by features.3 (the SE "
+                "blocks' pools and 1x1 convs first); cause not found (emulating the int8 average pool in float "
+                "did not help). With torch.ao's averaged weight ranges this fit does not learn at all (7 %)",
     },
     ("mobilenet_v3_small", "fx"): {
         "status": "below target",
         "says": _GATE_NAMES_THE_ROUTE,
-        "note": "int8 vs fake-quant below 25 dB (Hardswish / Hardsigmoid SE blocks under torch.ao FX; unresolved); "
-                "the gate warns and names a layer, but its per-layer SQNR reads -0 dB from the first conv on "
-                "(the per-layer matcher misreads this graph)",
+        "note": "Hardswish / Hardsigmoid SE blocks under torch.ao FX (unresolved); the gate warns and names a layer, "
+                "but its per-layer SQNR reads -0 dB from the first conv on (the per-layer matcher misreads this graph)",
+    },
+    # FX rows at the edge of the agreement target: int8 vs fake-quant 35-38 dB (PT2E: 44-66 dB on the same models)
+    # flips one or two of 128 near-tied predictions of a model at 35-90 % accuracy, which ones depending on the
+    # thread count (2 threads: regnet 0.984; 1 thread: 1.000); the gate warns and names a layer when it does
+    **{(name, "fx"): {
+        "status": "below target",
+        "says": _GATE_NAMES_THE_ROUTE,
+        "note": "at the edge of the 99 % agreement target: int8 vs fake-quant 35-38 dB under FX flips 1-2 of 128 "
+                "near-tied predictions (thread-count dependent); PT2E on the same model 44-66 dB",
+    } for name in ("mobilenet_v2", "regnet_x_400mf", "timm_convnext_atto")},
+    ("vit_small_tv", "fx"): {
+        "status": "below target",
+        "says": _GATE_NAMES_THE_ROUTE,
+        "note": "first departing layer the first MLP's second Linear; nn.MultiheadAttention stays float (no FX int8 "
+                "pattern)",
+    },
+    ("timm_vit_tiny", "fx"): {
+        "status": "below target",
+        "says": _GATE_NAMES_THE_ROUTE,
+        "note": "first departing layer patch_embed.norm (the int8 LayerNorm, 17 dB); PT2E on the same model matches "
+                "its fake-quant model exactly",
     },
 }
 
 
 # Notes for rows that meet the targets but leave something out (shown in the README table).
 NOTES: dict[tuple[str, str], str] = {
-    ("vit_small_tv", "fx"): "nn.MultiheadAttention stays float (a torch.nn leaf without an FX int8 pattern; "
-                            "not routed through torch.ao's quantizable MultiheadAttention)",
+    (name, "fx"): "at the edge of the 99 % agreement target (int8 vs fake-quant 35-38 dB; KNOWN accepts either outcome)"
+    for name in ("mobilenet_v2", "regnet_x_400mf", "timm_convnext_atto")
 }
 
 
@@ -161,7 +194,7 @@ def make_datamodule(batch_size: int, seed: int = 0) -> Any:
 class CaseResult:
     model: str
     engine: str
-    status: str  # works | below target | refused | error
+    status: str  # works | below target | refused | not learned | error
     torch: str = torch.__version__
     sqnr_db: Optional[float] = None
     top1_agreement: Optional[float] = None
@@ -178,8 +211,12 @@ class CaseResult:
     fit_s: Optional[float] = None
     total_s: Optional[float] = None
 
+    def learned(self) -> bool:
+        """Whether the fake-quant model is well above chance, so that comparing int8 to it means something."""
+        return self.fake_quant_accuracy is not None and self.fake_quant_accuracy >= MIN_LEARNED_ACCURACY
+
     def meets_targets(self) -> bool:
-        return (self.sqnr_db is not None and self.sqnr_db >= TARGET_SQNR_DB
+        return (self.learned() and self.sqnr_db is not None and self.sqnr_db >= TARGET_SQNR_DB
                 and self.top1_agreement is not None and self.top1_agreement >= TARGET_TOP1)
 
 
@@ -195,7 +232,7 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
     return 1000.0 * times[len(times) // 2]
 
 
-def run_case(model_name: str, engine: str, *, max_steps: int = 12, batch_size: int = 16, seed: int = 0,
+def run_case(model_name: str, engine: str, *, max_steps: Optional[int] = None, batch_size: int = 32, seed: int = 0,
              latency: bool = False, latency_repeats: int = 5) -> CaseResult:
     """Fit, convert and compare one model x engine; every failure is recorded, not raised."""
     import lightning.pytorch as pl
@@ -209,7 +246,11 @@ def run_case(model_name: str, engine: str, *, max_steps: int = 12, batch_size: i
     pl.seed_everything(seed, verbose=False)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     net = spec.build()
-    model = ClassifierModule(net, lr=2e-3, scheduler="constant")
+    for m in net.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.momentum = BN_MOMENTUM
+    max_steps = max_steps or spec.steps
+    model = ClassifierModule(net, lr=spec.lr, scheduler="constant")
     model.example_input_array = torch.zeros(2, 3, 32, 32)
     dm, splits = make_datamodule(batch_size, seed)
     warm = max_steps // 2  # float first: BatchNorm statistics from random init need data (FIELD-NOTES)
@@ -222,7 +263,7 @@ def run_case(model_name: str, engine: str, *, max_steps: int = 12, batch_size: i
     )
     trainer = pl.Trainer(max_steps=max_steps, callbacks=[qat], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
-                         num_sanity_val_steps=0, limit_val_batches=2, val_check_interval=max_steps)
+                         num_sanity_val_steps=0, limit_val_batches=2)
     float_net = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -263,6 +304,10 @@ def run_case(model_name: str, engine: str, *, max_steps: int = 12, batch_size: i
             setattr(result, f"int8_ms_{attr}", _median_ms(lambda: int8(xb), latency_repeats))
     if result.message:
         result.status = "error"
+    elif not result.learned():
+        result.status = "not learned"
+        result.message = (f"the fake-quant model is at {result.fake_quant_accuracy} accuracy after {max_steps} steps "
+                          f"(< {MIN_LEARNED_ACCURACY}): int8 vs fake-quant would compare near-constant outputs")
     elif result.meets_targets():
         result.status = "works"
     else:
