@@ -180,22 +180,44 @@ def _is_quant_step(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
 def layer_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
     """``{layer (call_module target): node whose value is the layer's (re)quantized output}``.
 
+    In a graph without module calls (PT2E's exported graphs) a layer is a module path of ``nn_module_stack``, its
+    output the last op traced inside it, and only layers whose output is (fake-)quantized count.
+
     Args:
         gm: the graph; quantize/dequantize/fake-quant/observer steps are not layers, and a layer's output
             node is the end of the single-user chain of such steps after it.
     """
-    layers = {}
+    outputs: dict[str, torch.fx.Node] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_module" or _is_quant_step(gm, node):
-            continue
+        if node.op == "call_module" and node.users and not _is_quant_step(gm, node):  # (export's _guards_fn: unused)
+            outputs[str(node.target)] = node
+    exported = not outputs
+    if exported:  # an exported (aten) graph: a layer is the last op traced inside a module (nn_module_stack)
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and not _is_quant_step(gm, node) and _module_path(node):
+                outputs[_module_path(node)] = node
+    layers = {}
+    for name, node in outputs.items():
         end = node
         while len(end.users) == 1:
             user = next(iter(end.users))
             if not _is_quant_step(gm, user):
                 break
             end = user
-        layers[str(node.target)] = end.name
+        # in exported graphs only the (fake-)quantized points mean the same in both versions: a QAT conv's own
+        # output is before its BatchNorm, the folded int8 conv's after it
+        if not (exported and end is node):
+            layers[name] = end.name
     return layers
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    """The innermost module ``node`` was traced in (``torch.export``'s ``nn_module_stack``), or ``""``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else ""
 
 
 class _Recorder(torch.fx.Interpreter):
