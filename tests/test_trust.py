@@ -188,6 +188,20 @@ def test_an_int8_model_that_departs_fails_the_fit_naming_the_module_and_the_laye
     assert f"qconfig_mapping {{'module_name': [{{'name': '{layer}', 'qconfig': None}}]}}" in text  # the route around it
 
 
+def test_an_agreement_only_breach_still_names_a_layer_to_keep_in_float():
+    # every layer above the SQNR threshold, top-1 agreement below its own (the zoo's regnet_x_400mf x FX: 34.8 dB,
+    # 0.984): the message named worst layers but offered no route around them
+    from qlightning.core.fidelity import FidelityConfig, ModuleFidelity, breach_message
+
+    breach = ModuleFidelity(module="net", sqnr_db=34.8, top1_agreement=0.984, samples=128, inputs="2 validation batches",
+                            worst_layers=[["trunk.block4.f.c.0", 29.6], ["trunk.block3.f.c.0", 29.7]],
+                            problems=["top-1 agreement 0.984 < 0.99"])
+    text = breach_message("QuantizationAwareTraining", "the fake-quant model", [breach],
+                          FidelityConfig(min_sqnr_db=25.0, min_top1_agreement=0.99, on_breach="warn"), "")
+    assert "worst layers: trunk.block4.f.c.0 29.6 dB" in text
+    assert "qconfig_mapping {'module_name': [{'name': 'trunk.block4.f.c.0', 'qconfig': None}]}" in text
+
+
 def test_on_breach_fallback_ships_the_fake_quant_module_and_says_so():
     with pytest.warns(UserWarning, match="departs from the fake-quant model"):
         model, dm, qat = _fit_default_job(fidelity={"min_sqnr_db": 150.0, "on_breach": "fallback"})

@@ -415,7 +415,7 @@ def apply_on_breach(result: ModuleFidelity, config: FidelityConfig, fall_back: C
 def breach_message(who: str, reference: str, breaches: Sequence[ModuleFidelity], config: FidelityConfig,
                    fallback: str) -> str:
     """The one message of a failed gate: every breach, a mapping entry that keeps the first departing
-    layer float; with ``on_breach="fail"`` raised as :class:`~qlightning.errors.FidelityError` naming the
+    layer (else the worst) float; with ``on_breach="fail"`` raised as :class:`~qlightning.errors.FidelityError` naming the
     options that keep going, else returned for the caller to warn with.
 
     Args:
@@ -430,7 +430,9 @@ def breach_message(who: str, reference: str, breaches: Sequence[ModuleFidelity],
         f"(fidelity: SQNR >= {config.min_sqnr_db:g} dB, top-1 agreement >= {config.min_top1_agreement:g}):\n"
         + "\n".join(f"  - {b.describe()}" for b in breaches)
     )
-    layers = [b.first_departing_layer.split(" (")[0] for b in breaches if b.first_departing_layer]
+    # the first layer under the SQNR threshold; on an agreement-only breach (every layer above it) the worst one
+    layers = [b.first_departing_layer.split(" (")[0] if b.first_departing_layer else b.worst_layers[0][0]
+              for b in breaches if b.first_departing_layer or b.worst_layers]
     if layers:
         message += (
             "\n  (to keep a departing layer in float: qconfig_mapping {'module_name': [{'name': "

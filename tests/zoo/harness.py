@@ -98,7 +98,7 @@ MODELS: dict[str, ZooModel] = {
 # a note for the README table; "xfail": a precise reason naming the upstream issue.
 _GATE_NAMES_THE_ROUTE = [
     r"int8 model departs from the fake-quant model",  # the fit-end fidelity gate (on_breach=warn here)
-    r"first departing layer: \S+",  # the layer
+    r"(first departing layer|worst layers): \S+",  # the layer (worst ones when only the agreement breaches)
     r"qconfig_mapping \{'module_name': \[\{'name': '[^']+', 'qconfig': None\}\]\}",  # the config around it
 ]
 _ZERO_GAMMA = {
