@@ -177,13 +177,14 @@ def test_the_gate_measures_int8_against_fake_quant_on_validation_batches():
     assert result["top1_agreement"] >= 0.98
 
 
-@pytest.mark.parametrize("engine", ["fx", "pt2e"])
-def test_an_int8_model_that_departs_fails_the_fit_naming_the_module_and_the_layer(engine):
+# above what FX int8 reaches; PT2E's q/dq graph can equal its fake-quant graph (200 dB, the cap), so above that
+@pytest.mark.parametrize("engine,threshold", [("fx", 150.0), ("pt2e", 250.0)])
+def test_an_int8_model_that_departs_fails_the_fit_naming_the_module_and_the_layer(engine, threshold):
     # PT2E's graphs have no module calls: before, its breach named no layer
     with pytest.raises(FidelityError) as info:
-        _fit_default_job(engine=engine, fidelity={"min_sqnr_db": 150.0})  # no real int8 model reaches 150 dB
+        _fit_default_job(engine=engine, fidelity={"min_sqnr_db": threshold})
     text = str(info.value)
-    assert "net: int8 vs fake-quant" in text and "< 150 dB" in text and "first departing layer" in text
+    assert "net: int8 vs fake-quant" in text and f"< {threshold:g} dB" in text and "first departing layer" in text
     layer = text.split("first departing layer: ")[1].split(" (")[0]
     assert f"qconfig_mapping {{'module_name': [{{'name': '{layer}', 'qconfig': None}}]}}" in text  # the route around it
 
