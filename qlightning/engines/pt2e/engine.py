@@ -460,7 +460,8 @@ def _batch_norm_literals(m: torch.fx.GraphModule) -> dict[str, tuple[Any, Any]]:
     return literals
 
 
-def _keeping_batch_norm_literals(fuse: Callable[[torch.fx.GraphModule], torch.fx.GraphModule]) -> Callable:
+def _keeping_batch_norm_literals(fuse: Callable[[torch.fx.GraphModule], torch.fx.GraphModule],
+                                 keep_eps: bool = True) -> Callable:
     """``fuse`` (torchao's ``_fuse_conv_bn_qat`` or the fast one) followed by putting back each BatchNorm's momentum
     and eps.
 
@@ -470,6 +471,9 @@ def _keeping_batch_norm_literals(fuse: Callable[[torch.fx.GraphModule], torch.fx
     torchvision's mobilenet_v3 (eps 1e-3, momentum 0.01) and any ``momentum`` a user sets. Measured on
     mobilenet_v2 with momentum 0.5, 48 steps from scratch: eval-mode accuracy 12 % under PT2E against 89 % under
     FX, whose running statistics followed the weights.
+
+    ``keep_eps=False`` puts back the momentum only: torchao's own fold (``fast_fold=False``) folds with eps 1e-5
+    whatever the graph says, so training must use that eps too for int8 to match it.
     """
 
     def fuse_keeping_literals(m: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -483,8 +487,9 @@ def _keeping_batch_norm_literals(fuse: Callable[[torch.fx.GraphModule], torch.fx
                 kept = literals.get(str(getattr(node.args[4], "target", "")))
                 if kept is not None:
                     changed |= _set_arg(node, 6, "momentum", kept[0])
-                    changed |= _set_arg(node, 7, "eps", kept[1])
-            elif node.target == _aten.add.Tensor and isinstance(node.args[0], torch.fx.Node) \
+                    if keep_eps:
+                        changed |= _set_arg(node, 7, "eps", kept[1])
+            elif keep_eps and node.target == _aten.add.Tensor and isinstance(node.args[0], torch.fx.Node) \
                     and node.args[0].op == "get_attr" and not isinstance(node.args[1], torch.fx.Node):
                 # the pattern's running_std = sqrt(running_var + eps)
                 kept = literals.get(str(node.args[0].target))
@@ -928,9 +933,9 @@ class Pt2eEngine(QuantEngine):
         prepare = self.ao.prepare_qat_pt2e if spec.is_qat else self.ao.prepare_pt2e
         try:
             # torchao's conv-bn fuse (or the fast one), keeping each BatchNorm's momentum and eps
-            fuse = (_fast_fuse_conv_bn_qat if spec.options.get("fast_fold", True)
-                    else getattr(self.ao.quantize_pt2e_module, "_fuse_conv_bn_qat", None))
-            with self._patched("_fuse_conv_bn_qat", _keeping_batch_norm_literals(fuse), fuse is not None):
+            fast = spec.options.get("fast_fold", True)
+            fuse = _fast_fuse_conv_bn_qat if fast else getattr(self.ao.quantize_pt2e_module, "_fuse_conv_bn_qat", None)
+            with self._patched("_fuse_conv_bn_qat", _keeping_batch_norm_literals(fuse, keep_eps=fast), fuse is not None):
                 prepared = prepare(graph, quantizer)
         except Exception as exc:
             raise TraceError(
