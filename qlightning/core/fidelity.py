@@ -194,8 +194,9 @@ def layer_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
     exported = not outputs
     if exported:  # an exported (aten) graph: a layer is the last op traced inside a module (nn_module_stack)
         for node in gm.graph.nodes:
-            if node.op == "call_function" and not _is_quant_step(gm, node) and _module_path(node):
-                outputs[_module_path(node)] = node
+            path = _module_path(node) if node.op == "call_function" else ""
+            if path and not _is_quant_step(gm, node):
+                outputs[path] = node
     layers = {}
     for name, node in outputs.items():
         end = node

@@ -456,7 +456,7 @@ def _batch_norm_literals(m: torch.fx.GraphModule) -> dict[str, tuple[Any, Any]]:
         if node.op == "call_function" and node.target in _BATCH_NORM_OPS and len(node.args) > 7:
             running_var = node.args[4]
             if isinstance(running_var, torch.fx.Node) and running_var.op == "get_attr":
-                literals[str(running_var.target)] = (node.args[6], node.args[7])
+                literals[str(running_var.target)] = (node.args[6], node.args[_batch_norm_eps_index(node)])
     return literals
 
 
@@ -488,7 +488,7 @@ def _keeping_batch_norm_literals(fuse: Callable[[torch.fx.GraphModule], torch.fx
                 if kept is not None:
                     changed |= _set_arg(node, 6, "momentum", kept[0])
                     if keep_eps:
-                        changed |= _set_arg(node, 7, "eps", kept[1])
+                        changed |= _set_arg(node, _batch_norm_eps_index(node), "eps", kept[1])
             elif keep_eps and node.target == _aten.add.Tensor and isinstance(node.args[0], torch.fx.Node) \
                     and node.args[0].op == "get_attr" and not isinstance(node.args[1], torch.fx.Node):
                 # the pattern's running_std = sqrt(running_var + eps)
