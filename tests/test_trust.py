@@ -203,6 +203,41 @@ def test_an_agreement_only_breach_still_names_a_layer_to_keep_in_float():
     assert "qconfig_mapping {'module_name': [{'name': 'trunk.block4.f.c.0', 'qconfig': None}]}" in text
 
 
+class _InPlaceReLU6Net(torch.nn.Module):
+    """Conv-BN followed by ``ReLU6(inplace=True)`` (torchvision's Conv2dNormActivation in mobilenet_v2): FX fuses
+    conv-bn but not the ReLU6, which then rewrites the conv-bn output tensor in place."""
+
+    def __init__(self):
+        super().__init__()
+        def block(c_in, c_out):
+            return torch.nn.Sequential(torch.nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), torch.nn.BatchNorm2d(c_out),
+                                       torch.nn.ReLU6(inplace=True))
+        self.features = torch.nn.Sequential(block(1, 16), block(16, 32), torch.nn.AdaptiveAvgPool2d(1))
+        self.classifier = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+def test_per_layer_sqnr_reads_each_layer_before_an_in_place_activation_rewrites_it():
+    # mobilenet_v2 x FX: the gate named features.0.0 "(-0.4 dB)" as the first departing layer of a 35 dB model: the
+    # kept fake-quant value was the conv-bn output that ReLU6(inplace=True) had since clipped, the int8 one was not
+    from qlightning.core.fidelity import per_layer_sqnr
+
+    pl.seed_everything(0)
+    model, dm = ClassifierModule(_InPlaceReLU6Net(), lr=1e-2), DigitsDataModule(seed=0)
+    model.example_input_array = torch.zeros(1, 1, 8, 8)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"epoch": 1}, observer_freeze={"epoch": 2},
+                                    bn_freeze={"epoch": 2})
+    make_trainer([qat], max_epochs=3, limit_train_batches=8, limit_val_batches=2).fit(model, datamodule=dm)
+    assert qat.fidelity_results["net"]["passed"], qat.fidelity_results["net"]
+    x, _ = dm.splits["test"].tensors
+    rows = per_layer_sqnr("", {"fake_quant": qat.fake_quant_modules["net"], "int8": model.net}, [(x,)],
+                          (("db", "int8", "fake_quant"),))
+    assert {"features.0.0", "features.1.0"} <= {r["layer"] for r in rows}, rows
+    assert min(r["db"] for r in rows) >= 25.0, rows
+
+
 def test_on_breach_fallback_ships_the_fake_quant_module_and_says_so():
     with pytest.warns(UserWarning, match="departs from the fake-quant model"):
         model, dm, qat = _fit_default_job(fidelity={"min_sqnr_db": 150.0, "on_breach": "fallback"})

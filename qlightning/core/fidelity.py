@@ -230,7 +230,9 @@ class _Recorder(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if n.name in self.keep and isinstance(out, torch.Tensor):
-            self.values[n.name] = (out.dequantize() if out.is_quantized else out).detach().float()
+            # a copy: a later in-place op (torchvision's ReLU(inplace=True)) would rewrite the kept value
+            value = out.dequantize() if out.is_quantized else out
+            self.values[n.name] = value.detach().to(torch.float32, copy=True)
         return out
 
 
