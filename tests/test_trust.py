@@ -96,12 +96,19 @@ def test_one_signed_weight_channels_keep_zero_point_0(engine):
     assert all(int(m.zero_point.abs().max()) == 0 for m in weight_fqs)
 
 
-def test_the_default_schedule_is_derived_from_the_length_of_the_run():
+def test_the_default_schedule_is_derived_from_the_length_of_the_run(monkeypatch):
+    import qlightning.callbacks.qat as qat_module
+
+    said = []
+    monkeypatch.setattr(qat_module, "rank_zero_info", lambda message, *a, **k: said.append(str(message)))
     pl.seed_everything(0)
     model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
     qat = QuantizationAwareTraining(modules=["net"])
     make_trainer([qat], max_epochs=3).fit(model, datamodule=dm)  # 20 steps an epoch: 60 steps
     assert qat.schedule.fake_quant_start.step == 30 and qat.schedule.observer_freeze.step == 51
+    # the prepare line printed the placeholder before: "fake-quant from step 4611686018427387904"
+    prepared = next(m for m in said if "] prepared" in m)
+    assert "derived from the run's length" in prepared and str(2**62) not in prepared
     assert qat.schedule.bn_freeze is None
     # what trained is what ships (accuracy at this length is notes/defaults.md's business: 3 epochs is short)
     assert qat.converted and qat.fidelity_results["net"]["passed"]

@@ -33,6 +33,9 @@ FLOAT32_PRECISIONS = ("32-true", "32", 32, "64-true", "64", 64)
 STATE_VERSION = 1
 
 
+#: the auto schedule's fake-quant start until the run's length is known (float, observers on, until then)
+_AUTO_PENDING = Milestone(step=2**62)
+
 class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
     """Quantization-aware training of chosen submodules of a LightningModule.
 
@@ -165,7 +168,7 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
             *(None if m == AUTO else m for m in milestones), prefix="schedule", errors=errors
         )
         if self.auto_schedule is not None:  # float (observers on) until the run's length is known
-            self.schedule = Schedule(fake_quant_start=Milestone(step=2**62))
+            self.schedule = Schedule(fake_quant_start=_AUTO_PENDING)
         self.fidelity = FidelityConfig.from_value(fidelity, errors, "fidelity")
         if on_incomplete_schedule not in ON_INCOMPLETE:
             errors.append(f"on_incomplete_schedule={on_incomplete_schedule!r}: valid choices: {list(ON_INCOMPLETE)}")
@@ -426,11 +429,14 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
         self._compiler = CompileDecider(compile_mode(self.spec.options), self.engine.compiles_training, processes)
         if not self._compiler.pending:
             self._settle_compile(pl_module)
+        if self.auto_schedule is not None and self.schedule.fake_quant_start == _AUTO_PENDING:
+            schedule = "schedule: derived from the run's length when training starts"  # not the placeholder's step 2**62
+        else:
+            schedule = (f"schedule: fake-quant from {self.schedule.fake_quant_start or 'step 0'}, "
+                        f"observers freeze at {self.schedule.observer_freeze or 'never'}, "
+                        f"BN freezes at {self.schedule.bn_freeze or 'never'}")
         rank_zero_info(
-            f"[qlightning] prepared {self.targets} for QAT ({self.engine.name} engine, {self.backend} backend); "
-            f"schedule: fake-quant from {self.schedule.fake_quant_start or 'step 0'}, "
-            f"observers freeze at {self.schedule.observer_freeze or 'never'}, "
-            f"BN freezes at {self.schedule.bn_freeze or 'never'}"
+            f"[qlightning] prepared {self.targets} for QAT ({self.engine.name} engine, {self.backend} backend); {schedule}"
         )
 
     def _settle_compile(self, pl_module: "pl.LightningModule") -> None:

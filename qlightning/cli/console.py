@@ -17,6 +17,9 @@ UPSTREAM_NOISE: tuple[tuple[str, type[Warning], str], ...] = (
      "torch.ao's own get_default_qat_qconfig('x86'/'fbgemm') passes reduce_range=True (torch/ao/quantization/observer.py)"),
     (r".*To copy construct from a tensor, it is recommended to use sourceTensor", UserWarning,
      "torch/_inductor/mkldnn_lowerings.py calls torch.tensor(w_zp_tensor) on a tensor (torch 2.13) when compiling int8 linears"),
+    (r".*`torch\.jit\.\w+` is deprecated", FutureWarning,
+     "torch >= 2.14 deprecates TorchScript; the torchscript export format (int8_NAME.pt) and torch.onnx's "
+     "TorchScript-based exporter still use it, and the report says which format is which"),
     (r".*does not have many workers which may be a bottleneck", UserWarning,
      "Lightning's advice for the in-memory digits/MiniLM loaders, which have nothing to load in parallel"),
 )
