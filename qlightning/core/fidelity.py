@@ -166,8 +166,8 @@ def _is_quant_step(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if node.op == "call_method":
         return node.target == "dequantize"
     if node.op == "call_function":
-        if node.meta.get("qlightning_activation_clamp"):  # the FX engine's clamp to the trained range
-            return True
+        if node.meta.get("qlightning_activation_clamp") or node.meta.get("qlightning_requantize"):
+            return True  # the FX engine's clamp to the trained range, its requantization of a pool or dropout
         name = getattr(node.target, "__name__", "") or str(node.target)
         return (
             node.target in (torch.quantize_per_tensor, torch.quantize_per_channel, torch.dequantize)

@@ -212,6 +212,144 @@ def pool_spatial_means(gm: torch.fx.GraphModule) -> int:
     return count
 
 
+#: node meta key of a requantization the FX engine adds after an op (part of that layer's output, like a clamp)
+REQUANTIZE_META = "qlightning_requantize"
+
+
+def dequantized(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as float (dequantized when it is a quantized tensor), contiguous. TorchScript-compatible.
+
+    Contiguous: int8 convolutions return channels_last tensors, and a float pool sums a channels_last tensor in
+    another order than the fake-quant model's contiguous one, which moves exact .5 means by an ulp either way."""
+    return x.dequantize().contiguous() if x.is_quantized else x
+
+
+def requantized_like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Float ``y`` quantized with quantized ``x``'s (per-tensor) scale, zero point and dtype; ``y`` when ``x`` is float.
+
+    Rounded by the fake-quant op (``y * (1 / scale)``, as training and the fake-quant model round) and only then
+    stored: ``quantize_per_tensor`` divides by the scale, which rounds values within an ulp of .5 the other way.
+    TorchScript-compatible."""
+    if x.is_quantized:
+        scale, zero_point = x.q_scale(), x.q_zero_point()
+        low, high = (0, 255) if x.dtype == torch.quint8 else (-128, 127)
+        on_grid = torch.fake_quantize_per_tensor_affine(y, scale, zero_point, low, high)
+        return torch.quantize_per_tensor(on_grid, scale, zero_point, x.dtype)
+    return y
+
+
+def requantized(x: torch.Tensor, scale: float, zero_point: int, low: float, high: float) -> torch.Tensor:
+    """Quantized ``x`` requantized (quint8) to ``scale`` / ``zero_point``, clamped to ``[low, high]`` first;
+    float ``x`` is returned as is. TorchScript-compatible."""
+    if x.is_quantized:
+        lowest, highest = (0, 255) if x.dtype == torch.quint8 else (-128, 127)
+        on_grid = torch.fake_quantize_per_tensor_affine(torch.clamp(x.dequantize(), low, high), scale, zero_point,
+                                                        lowest, highest)  # rounded as the fake-quant op rounds
+        return torch.quantize_per_tensor(on_grid, scale, zero_point, x.dtype)
+    return x
+
+
+_AVERAGE_POOL_MODULES = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+                         nn.AdaptiveAvgPool3d)
+_AVERAGE_POOL_FUNCTIONS = (nn.functional.avg_pool1d, nn.functional.avg_pool2d, nn.functional.avg_pool3d,
+                           nn.functional.adaptive_avg_pool1d, nn.functional.adaptive_avg_pool2d,
+                           nn.functional.adaptive_avg_pool3d, torch.mean, global_spatial_mean)
+
+
+def _is_average_pool(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), _AVERAGE_POOL_MODULES)
+    if node.op == "call_method":
+        return node.target == "mean"
+    return node.op == "call_function" and node.target in _AVERAGE_POOL_FUNCTIONS
+
+
+def float_average_pools(gm: torch.fx.GraphModule) -> int:
+    """Run every average pool / mean of a converted graph in float on the dequantized input and requantize
+    with the input's qparams: what the fake-quant model computes; returns how many were rewritten.
+
+    Why (measured, zoo fits at 32x32): torch.ao quantizes average pools with their input's qparams (no
+    observer of their own), and the fake-quant model rounds the float mean of the fake-quantized values to
+    that grid, so an exact mean of .5 falls either way by one float ulp; ATen's channels_last quantized
+    ``adaptive_avg_pool2d`` rounds the exact integer mean half to even. The 2x2 and 4x4 maps of
+    squeeze-excitation blocks are ties a quarter / a sixteenth of the time: 60-85 % of those matched, each
+    miss one whole channel's gate. Locally 22-48 dB at each SE pool, compounding to int8 vs fake-quant
+    28.5 dB (efficientnet_b0) and 24.5 dB (mobilenet_v3_small); with float pools 35.1 and 45.5 dB. Costs
+    efficientnet_b0 8.1 -> 8.5 ms at batch 1, 18.7 -> 20.3 ms at batch 32 (2 cores).
+
+    Args:
+        gm: the converted graph, changed in place (recompiled if a node was rewritten).
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not _is_average_pool(gm, node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        source = node.args[0]
+        with gm.graph.inserting_before(node):
+            as_float = gm.graph.call_function(dequantized, (source,))
+        node.args = (as_float, *node.args[1:])
+        with gm.graph.inserting_after(node):
+            again = gm.graph.call_function(requantized_like, (node, source))
+        again.meta[REQUANTIZE_META] = True
+        node.replace_all_uses_with(again, delete_user_cb=lambda user: user is not again)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+
+
+def dropout_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tuple[float, int, float, float]]:
+    """``{dropout module: (scale, zero_point, low, high)}`` of the fake-quant after each ``nn.Dropout`` of a
+    prepared graph, as the convert would quantize with them (call inside :func:`trained_qparams`).
+
+    Args:
+        prepared: the prepared (fake-quant) GraphModule.
+    """
+    from torch.ao.quantization import FakeQuantizeBase
+
+    found = {}
+    for node in prepared.graph.nodes:
+        if node.op != "call_module" or not isinstance(prepared.get_submodule(str(node.target)), _DROPOUT_MODULES):
+            continue
+        for user in node.users:
+            fq = prepared.get_submodule(str(user.target)) if user.op == "call_module" else None
+            if isinstance(fq, FakeQuantizeBase) and not getattr(fq, "is_per_channel", False):
+                scale, zero_point = (float(v.reshape(-1)[0]) for v in fq.calculate_qparams())
+                low, high = int(fq.quant_min), int(fq.quant_max)
+                found[str(node.target)] = (scale, int(zero_point), (low - zero_point) * scale, (high - zero_point) * scale)
+    return found
+
+
+def requantize_dropouts(gm: torch.fx.GraphModule, qparams: dict[str, tuple[float, int, float, float]]) -> int:
+    """After each dropout of a converted graph named in ``qparams``, requantize to its fake-quant's qparams and range.
+
+    Why (measured): torch.ao gives ``nn.Dropout`` an output observer of its own, which in training sees the
+    outputs scaled by 1 / (1 - p) (efficientnet_b0's classifier: scale 0.0461 against 0.0386 at its input), so
+    the fake-quant model re-rounds onto that coarser grid in eval; the int8 ``nnq.Dropout`` drops the scale and
+    passes its input through. Locally 40.5 dB at efficientnet_b0's ``classifier.0``. Returns how many were
+    inserted.
+
+    Args:
+        gm: the converted graph, changed in place (recompiled if a node was inserted).
+        qparams: :func:`dropout_output_qparams` of the prepared graph it was converted from.
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or str(node.target) not in qparams:
+            continue
+        with gm.graph.inserting_after(node):
+            again = gm.graph.call_function(requantized, (node, *qparams[str(node.target)]))
+        again.meta[REQUANTIZE_META] = True
+        node.replace_all_uses_with(again, delete_user_cb=lambda user: user is not again)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def mode_dependent_modules(module: nn.Module) -> dict[str, type]:
     """``{name: class}`` of the submodules whose forward reads ``self.training`` in a way tracing bakes in.
 
@@ -572,7 +710,9 @@ class FxEngine(QuantEngine):
 
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
         """``convert_fx`` of the prepared module, then weights clamped to their fake-quant range, activations
-        clamped to the trained range (``clamp_activations``) and spatial means pooled (``pool_spatial_means``).
+        clamped to the trained range (``clamp_activations``), spatial means pooled (``pool_spatial_means``), and
+        average pools and dropouts requantized as the fake-quant model does (``requantize_as_trained``:
+        :func:`float_average_pools`, :func:`requantize_dropouts`).
 
         Args:
             module: the prepared module (decompiled and put in eval mode).
@@ -592,7 +732,9 @@ class FxEngine(QuantEngine):
             for name, m in module.named_modules() if hasattr(m, "weight_fake_quant")
         }
         narrowed = narrow_activation_ranges(module)
+        as_trained = spec.options.get("requantize_as_trained", True)
         with quiet_torch_ao(), trained_qparams(module, spec.options.get("trained_qparams", True)):
+            dropouts = dropout_output_qparams(module) if as_trained and isinstance(module, torch.fx.GraphModule) else {}
             converted = self.ao.convert_fx(
                 module,
                 convert_custom_config=spec.convert_custom_config,
@@ -606,6 +748,9 @@ class FxEngine(QuantEngine):
             clamp_activations(converted, narrowed)
         if spec.options.get("pool_spatial_means", True):
             pool_spatial_means(converted)
+        if as_trained:
+            float_average_pools(converted)
+            requantize_dropouts(converted, dropouts)
         return converted
 
     def quant_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
