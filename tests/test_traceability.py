@@ -8,6 +8,7 @@ submodules called with several tensors and keyword arguments.
 
 from __future__ import annotations
 
+import ast
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -139,8 +140,18 @@ def test_route_1a_blocks_called_with_two_tensors_and_keyword_arguments():
 
 
 def test_a_module_that_does_not_trace_fails_with_the_routes_named():
-    with pytest.raises(TraceError, match="non_traceable_module_names.*qlightning doctor"):
+    with pytest.raises(TraceError, match="non_traceable_module_names.*qlightning doctor") as info:
         QuantizationAwareTraining(modules=["net.encoder"]).prepare(HybridClassifier())
+    # where tracing stops and the modules list that works (the doctor's route 1.a), not only "run the doctor"
+    text = str(info.value)
+    assert "FX stops in net.encoder.layer.0.attention.self (SelfAttention): *args unpacking" in text, text
+    assert "custom_modules.py:" in text  # the line that breaks
+    routed = text.split("(route 1.a): modules=")[1].rstrip(".")
+    modules = ast.literal_eval(routed)  # the list the message prints
+    assert "net.encoder.layer.*.attention.self.query" in modules and "net.encoder.layer.*.intermediate" in modules
+    model = HybridClassifier()
+    QuantizationAwareTraining(modules=modules).prepare(model)  # the route it names prepares
+    assert isinstance(model.net.encoder.layer[0].intermediate, torch.fx.GraphModule)
 
 
 # ----------------------------------------------------------------------------- 1.b

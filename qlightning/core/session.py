@@ -77,6 +77,36 @@ def session_of(owner: Any) -> "QuantSession":
     return owner if isinstance(owner, QuantSession) else owner.session
 
 
+
+def trace_routes(name: str, module: nn.Module, inputs: Inputs) -> str:
+    """What ``qlightning doctor`` would say about a target FX could not trace, for its error: where tracing stops
+    and the ``modules`` list of the parts that trace (route 1.a), names as the callback takes them; ``""`` when
+    the diagnosis finds nothing to add.
+
+    Args:
+        name: the target's name in the LightningModule.
+        module: the float target.
+        inputs: its example inputs.
+    """
+    from qlightning.quantize.doctor import BREAKERS, compress, diagnose
+
+    try:
+        report = diagnose(module, example_inputs=inputs)
+    except Exception:  # noqa: BLE001 - the diagnosis is a hint; the trace error stands on its own
+        return ""
+    text = ""
+    stop = next((f for f in report.findings if not f.traces and f.breaks_itself and f.location), None)
+    if stop is not None:
+        where = f"{name}.{stop.name}" if stop.name else name
+        why = BREAKERS.get(stop.kind or "", stop.error or stop.kind)
+        text += f" FX stops in {where} ({stop.cls.rsplit('.', 1)[-1]}): {why} at {stop.location}."
+    parts = report.traceable_modules()
+    if parts:
+        universe = [f"{name}.{n}" for n, _ in module.named_modules() if n]
+        text += f" The parts that trace (route 1.a): modules={compress([f'{name}.{p}' for p in parts], universe)}."
+    return text
+
+
 class QuantSession:
     """The quantization of chosen submodules of one model, through one engine.
 
@@ -196,7 +226,11 @@ class QuantSession:
             float_module = root.get_submodule(name)
             if self.keep_float_refs:
                 self.float_refs[name] = float_module
-            set_submodule(root, name, self.engine.prepare(float_module, self.inputs[name], self.spec))
+            try:
+                prepared = self.engine.prepare(float_module, self.inputs[name], self.spec)
+            except TraceError as exc:
+                raise TraceError(f"{name}: {exc}{trace_routes(name, float_module, self.inputs[name])}") from exc
+            set_submodule(root, name, prepared)
         self.prepared = True
 
     def modules(self, root: nn.Module) -> dict[str, nn.Module]:

@@ -220,7 +220,11 @@ def dequantized(x: torch.Tensor) -> torch.Tensor:
     """``x`` as float (dequantized when it is a quantized tensor), contiguous. TorchScript-compatible.
 
     Contiguous: int8 convolutions return channels_last tensors, and a float pool sums a channels_last tensor in
-    another order than the fake-quant model's contiguous one, which moves exact .5 means by an ulp either way."""
+    another order than the fake-quant model's contiguous one, which moves exact .5 means by an ulp either way.
+
+    Args:
+        x: a quantized or float tensor.
+    """
     return x.dequantize().contiguous() if x.is_quantized else x
 
 
@@ -229,7 +233,12 @@ def requantized_like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
     Rounded by the fake-quant op (``y * (1 / scale)``, as training and the fake-quant model round) and only then
     stored: ``quantize_per_tensor`` divides by the scale, which rounds values within an ulp of .5 the other way.
-    TorchScript-compatible."""
+    TorchScript-compatible.
+
+    Args:
+        y: the float result (e.g. a pool of ``x`` dequantized).
+        x: the tensor whose qparams ``y`` takes (a pool shares its input's).
+    """
     if x.is_quantized:
         scale, zero_point = x.q_scale(), x.q_zero_point()
         low, high = (0, 255) if x.dtype == torch.quint8 else (-128, 127)
@@ -239,8 +248,16 @@ def requantized_like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def requantized(x: torch.Tensor, scale: float, zero_point: int, low: float, high: float) -> torch.Tensor:
-    """Quantized ``x`` requantized (quint8) to ``scale`` / ``zero_point``, clamped to ``[low, high]`` first;
-    float ``x`` is returned as is. TorchScript-compatible."""
+    """Quantized ``x`` requantized to ``scale`` / ``zero_point``, clamped to ``[low, high]`` first and rounded as the
+    fake-quant op rounds; float ``x`` is returned as is. TorchScript-compatible.
+
+    Args:
+        x: the tensor to requantize.
+        scale: the new scale.
+        zero_point: the new zero point.
+        low: the smallest value kept (the fake-quant's ``quant_min`` in real units).
+        high: the largest value kept (its ``quant_max``).
+    """
     if x.is_quantized:
         lowest, highest = (0, 255) if x.dtype == torch.quint8 else (-128, 127)
         on_grid = torch.fake_quantize_per_tensor_affine(torch.clamp(x.dequantize(), low, high), scale, zero_point,
@@ -262,6 +279,14 @@ def _is_average_pool(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if node.op == "call_method":
         return node.target == "mean"
     return node.op == "call_function" and node.target in _AVERAGE_POOL_FUNCTIONS
+
+
+def _requantize_after(gm: torch.fx.GraphModule, node: torch.fx.Node, function: Any, args: tuple) -> None:
+    """Route every use of ``node`` through ``function(node, *args)``, marked as part of the layer's output."""
+    with gm.graph.inserting_after(node):
+        again = gm.graph.call_function(function, (node, *args))
+    again.meta[REQUANTIZE_META] = True  # the layer's output is after it (qlightning.core.fidelity.layer_nodes)
+    node.replace_all_uses_with(again, delete_user_cb=lambda user: user is not again)
 
 
 def float_average_pools(gm: torch.fx.GraphModule) -> int:
@@ -288,10 +313,7 @@ def float_average_pools(gm: torch.fx.GraphModule) -> int:
         with gm.graph.inserting_before(node):
             as_float = gm.graph.call_function(dequantized, (source,))
         node.args = (as_float, *node.args[1:])
-        with gm.graph.inserting_after(node):
-            again = gm.graph.call_function(requantized_like, (node, source))
-        again.meta[REQUANTIZE_META] = True
-        node.replace_all_uses_with(again, delete_user_cb=lambda user: user is not again)
+        _requantize_after(gm, node, requantized_like, (source,))
         count += 1
     if count:
         gm.recompile()
@@ -340,10 +362,7 @@ def requantize_dropouts(gm: torch.fx.GraphModule, qparams: dict[str, tuple[float
     for node in list(gm.graph.nodes):
         if node.op != "call_module" or str(node.target) not in qparams:
             continue
-        with gm.graph.inserting_after(node):
-            again = gm.graph.call_function(requantized, (node, *qparams[str(node.target)]))
-        again.meta[REQUANTIZE_META] = True
-        node.replace_all_uses_with(again, delete_user_cb=lambda user: user is not again)
+        _requantize_after(gm, node, requantized, qparams[str(node.target)])
         count += 1
     if count:
         gm.recompile()
