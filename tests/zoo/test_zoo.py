@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("model", list(MODELS))
 def test_zoo_model_through_engine(model: str, engine: str) -> None:
     spec = MODELS[model]
-    packages = ("torchvision",) if spec.package == "torchvision" else ("torchvision", "timm")
+    packages = {"torchvision": ("torchvision",), "timm": ("torchvision", "timm")}.get(spec.package, (spec.package,))
     if not have(*packages):
         pytest.skip(f"{model} needs {' and '.join(packages)}, not importable beside torch {torch.__version__} "
                     "(the zoo runs in .venv214: torch 2.14.1 + torchvision 0.29.1 + timm, see .ci/run)")
