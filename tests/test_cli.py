@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -173,6 +174,10 @@ def test_recipes_list_show_validate_cp(tmp_path):
     from qlightning.cli.recipes import validate  # what the command calls: every other recipe in this process
 
     problems = {name: validate(name) for name in sorted(names - {"digits_qat"})}
+    if importlib.util.find_spec("torchvision") is None:  # torch 2.13.0's CPU wheel: the family recipes name it
+        for name in ("resnet_qat", "mobilenet_qat", "vit_qat"):
+            assert len(problems[name]) == 1 and "needs torchvision, which is not installed" in problems[name][0]
+            problems[name] = []
     assert not any(problems.values()), problems
     copied = qlightning("recipes", "cp", "digits_fast", str(tmp_path), cwd=tmp_path)
     assert copied.returncode == 0 and (tmp_path / "digits_fast.yaml").is_file()

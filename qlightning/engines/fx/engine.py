@@ -166,6 +166,17 @@ def _has_dynamic_qconfig(mapping: Any) -> bool:
 _SPATIAL_DIMS = ((2, 3), (3, 2), (-2, -1), (-1, -2))
 
 
+def _as_one_node(function: Any, args: tuple) -> Any:
+    """While torch.fx traces ``function(*args)``, the call as one graph node instead of its body, else ``None``.
+
+    A pickled GraphModule is traced again when it loads (torch.fx's ``KeepModules`` tracer: the int8 model sent
+    back from a spawned process), and the helpers below branch on ``is_quantized``, which a proxy cannot answer.
+    (``torch.fx.wrap`` patches only the defining module's name, not the one the generated code calls.)
+    """
+    proxy = next((a for a in args if isinstance(a, torch.fx.Proxy)), None)
+    return None if proxy is None else proxy.tracer.create_proxy("call_function", function, args, {})
+
+
 def global_spatial_mean(x: torch.Tensor, dims: List[int]) -> torch.Tensor:
     """``x.mean(dims)`` over the two spatial dims of an NCHW tensor, through average pooling when ``x`` is quantized.
 
@@ -178,6 +189,10 @@ def global_spatial_mean(x: torch.Tensor, dims: List[int]) -> torch.Tensor:
         x: the input tensor (quantized or float).
         dims: the dims to average over (used as is for a float or non-4-D tensor).
     """
+    if not torch.jit.is_scripting():  # TorchScript compiles only the rest
+        as_node = _as_one_node(global_spatial_mean, (x, dims))
+        if as_node is not None:
+            return as_node
     if x.is_quantized and x.dim() == 4:
         return torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1)
     return x.mean(dims)
@@ -225,6 +240,10 @@ def dequantized(x: torch.Tensor) -> torch.Tensor:
     Args:
         x: a quantized or float tensor.
     """
+    if not torch.jit.is_scripting():  # TorchScript compiles only the rest
+        as_node = _as_one_node(dequantized, (x,))
+        if as_node is not None:
+            return as_node
     return x.dequantize().contiguous() if x.is_quantized else x
 
 
@@ -239,6 +258,10 @@ def requantized_like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         y: the float result (e.g. a pool of ``x`` dequantized).
         x: the tensor whose qparams ``y`` takes (a pool shares its input's).
     """
+    if not torch.jit.is_scripting():  # TorchScript compiles only the rest
+        as_node = _as_one_node(requantized_like, (y, x))
+        if as_node is not None:
+            return as_node
     if x.is_quantized:
         scale, zero_point = x.q_scale(), x.q_zero_point()
         low, high = (0, 255) if x.dtype == torch.quint8 else (-128, 127)
@@ -258,6 +281,10 @@ def requantized(x: torch.Tensor, scale: float, zero_point: int, low: float, high
         low: the smallest value kept (the fake-quant's ``quant_min`` in real units).
         high: the largest value kept (its ``quant_max``).
     """
+    if not torch.jit.is_scripting():  # TorchScript compiles only the rest
+        as_node = _as_one_node(requantized, (x, scale, zero_point, low, high))
+        if as_node is not None:
+            return as_node
     if x.is_quantized:
         lowest, highest = (0, 255) if x.dtype == torch.quint8 else (-128, 127)
         on_grid = torch.fake_quantize_per_tensor_affine(torch.clamp(x.dequantize(), low, high), scale, zero_point,
