@@ -184,8 +184,9 @@ def test_the_gate_measures_int8_against_fake_quant_on_validation_batches():
     assert result["top1_agreement"] >= 0.98
 
 
-# above what FX int8 reaches; PT2E's q/dq graph can equal its fake-quant graph (200 dB, the cap), so above that
-@pytest.mark.parametrize("engine,threshold", [("fx", 150.0), ("pt2e", 250.0)])
+# above the 200 dB cap: both engines' int8 can equal their fake-quant model on this job (FX since its pools compute
+# as trained, PT2E's q/dq graph)
+@pytest.mark.parametrize("engine,threshold", [("fx", 250.0), ("pt2e", 250.0)])
 def test_an_int8_model_that_departs_fails_the_fit_naming_the_module_and_the_layer(engine, threshold):
     # PT2E's graphs have no module calls: before, its breach named no layer
     with pytest.raises(FidelityError) as info:
@@ -247,7 +248,7 @@ def test_per_layer_sqnr_reads_each_layer_before_an_in_place_activation_rewrites_
 
 def test_on_breach_fallback_ships_the_fake_quant_module_and_says_so():
     with pytest.warns(UserWarning, match="departs from the fake-quant model"):
-        model, dm, qat = _fit_default_job(fidelity={"min_sqnr_db": 150.0, "on_breach": "fallback"})
+        model, dm, qat = _fit_default_job(fidelity={"min_sqnr_db": 250.0, "on_breach": "fallback"})
     assert qat.fidelity_results["net"]["action"] == "fell back to the fake-quant module"
     x, _ = dm.splits["test"].tensors
     with torch.no_grad():
