@@ -115,3 +115,12 @@ def test_train_help_lists_only_groups_that_can_be_selected(tmp_path):
     groups = out.stdout.split("== Configuration groups ==")[1].split("==")[0]
     listed = {line.split(":")[0].strip() for line in groups.splitlines() if ":" in line}
     assert "qconfig" not in listed and {"data", "model"} <= listed, groups
+
+
+def test_a_family_recipe_with_an_unknown_architecture_is_one_clear_error(capsys):
+    # model.arch is a name from qlightning.examples.vision.ARCHITECTURES, checked before torchvision is needed
+    code = cli_main(["recipes", "validate", "resnet_qat", "model.arch=resnet19"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "model:" in err and "arch='resnet19': valid choices: [" in err and "'resnet50'" in err, err
+    assert "Traceback" not in err
