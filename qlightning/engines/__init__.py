@@ -30,7 +30,7 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),
         "leaf_mode_modules": (bool, "modules whose traced forward would bake self.training in (torchvision StochasticDepth) stay leaves (default true)"),
         "pool_spatial_means": (bool, "int8 x.mean([2, 3]) runs as adaptive_avg_pool2d + flatten (torch's quantized mean fails on 1x1 maps; default true)"),
-        "requantize_as_trained": (bool, "int8 average pools run in float and requantize, dropouts requantize to their trained qparams, as the fake-quant model computes them (default true)"),
+        "requantize_as_trained": (bool, "int8 average pools run in float and requantize, dropouts and identities requantize to their trained qparams, as the fake-quant model computes them (default true)"),
     },
     "pt2e": {
         "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),

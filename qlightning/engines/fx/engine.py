@@ -348,11 +348,82 @@ def float_average_pools(gm: torch.fx.GraphModule) -> int:
 
 
 _DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+# modules whose int8 counterpart passes its quantized input through, although torch.ao may give them a fake-quant
+# of their own with other qparams (a dropout's own observer; an Identity's output observer shared with a cat)
+_PASS_THROUGH_MODULES = (*_DROPOUT_MODULES, nn.Identity)
 
 
-def dropout_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tuple[float, int, float, float]]:
-    """``{dropout module: (scale, zero_point, low, high)}`` of the fake-quant after each ``nn.Dropout`` of a
-    prepared graph, as the convert would quantize with them (call inside :func:`trained_qparams`).
+def _per_tensor_qparams(fq: Any) -> tuple[float, int, float, float]:
+    """``(scale, zero_point, low, high)`` of a per-tensor fake-quant, as convert quantizes with it."""
+    scale, zero_point = (float(v.reshape(-1)[0]) for v in fq.calculate_qparams())
+    low, high = int(fq.quant_min), int(fq.quant_max)
+    return scale, int(zero_point), (low - zero_point) * scale, (high - zero_point) * scale
+
+
+def pass_through_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tuple[float, int, float, float]]:
+    """``{module: (scale, zero_point, low, high)}`` of the fake-quant after each pass-through module (dropouts,
+    ``nn.Identity``) of a prepared graph whose int8 counterpart would not apply it: every dropout, and an
+    Identity whose output fake-quant has other qparams than its input's (call inside :func:`trained_qparams`).
+
+    Args:
+        prepared: the prepared (fake-quant) GraphModule.
+    """
+    from torch.ao.quantization import FakeQuantizeBase
+
+    def per_tensor_fake_quant(node: Any) -> Any:
+        fq = prepared.get_submodule(str(node.target)) if isinstance(node, torch.fx.Node) and node.op == "call_module" else None
+        return fq if isinstance(fq, FakeQuantizeBase) and not getattr(fq, "is_per_channel", False) else None
+
+    found = {}
+    for node in prepared.graph.nodes:
+        if node.op != "call_module" or not isinstance(prepared.get_submodule(str(node.target)), _PASS_THROUGH_MODULES):
+            continue
+        before = per_tensor_fake_quant(node.args[0]) if node.args else None
+        for user in node.users:
+            after = per_tensor_fake_quant(user)
+            if after is None:
+                continue
+            qparams = _per_tensor_qparams(after)
+            is_dropout = isinstance(prepared.get_submodule(str(node.target)), _DROPOUT_MODULES)
+            if is_dropout or before is None or _per_tensor_qparams(before) != qparams:
+                found[str(node.target)] = qparams
+    return found
+
+
+def requantize_pass_throughs(gm: torch.fx.GraphModule, qparams: dict[str, tuple[float, int, float, float]]) -> int:
+    """After each pass-through module of a converted graph named in ``qparams``, requantize to the qparams and range
+    of the fake-quant that followed it in training.
+
+    Why (measured): torch.ao gives ``nn.Dropout`` an output observer of its own, which in training sees the
+    outputs scaled by 1 / (1 - p) (efficientnet_b0's classifier: scale 0.0461 against 0.0386 at its input), so
+    the fake-quant model re-rounds onto that coarser grid in eval; the int8 ``nnq.Dropout`` drops the scale and
+    passes its input through. Locally 40.5 dB at efficientnet_b0's ``classifier.0``. An ``nn.Identity`` before a
+    ``torch.cat`` (timm's ViT: ``patch_embed.norm``, then the class token is concatenated) gets the cat's shared
+    observer (scale 0.036, range +-2.3 against 0.062, +-4.0 at its input); the int8 Identity passes its input
+    through and the quantized ``cat`` requantizes it onto the first input's scale over the whole 0..255, not the
+    trained 0..127: 15.7 dB there, int8 vs fake-quant 25.4 dB at the output. Returns how many were inserted.
+
+    Args:
+        gm: the converted graph, changed in place (recompiled if a node was inserted).
+        qparams: :func:`pass_through_output_qparams` of the prepared graph it was converted from.
+    """
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or str(node.target) not in qparams:
+            continue
+        _requantize_after(gm, node, requantized, qparams[str(node.target)])
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+_CONCATENATIONS = (torch.cat, torch.concat, torch.concatenate)
+
+
+def concatenation_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tuple[float, int, float, float]]:
+    """``{node name: (scale, zero_point, low, high)}`` of the fake-quant after each ``torch.cat`` of a prepared graph
+    (call inside :func:`trained_qparams`).
 
     Args:
         prepared: the prepared (fake-quant) GraphModule.
@@ -361,35 +432,43 @@ def dropout_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tuple[fl
 
     found = {}
     for node in prepared.graph.nodes:
-        if node.op != "call_module" or not isinstance(prepared.get_submodule(str(node.target)), _DROPOUT_MODULES):
+        if node.op != "call_function" or node.target not in _CONCATENATIONS:
             continue
         for user in node.users:
             fq = prepared.get_submodule(str(user.target)) if user.op == "call_module" else None
             if isinstance(fq, FakeQuantizeBase) and not getattr(fq, "is_per_channel", False):
-                scale, zero_point = (float(v.reshape(-1)[0]) for v in fq.calculate_qparams())
-                low, high = int(fq.quant_min), int(fq.quant_max)
-                found[str(node.target)] = (scale, int(zero_point), (low - zero_point) * scale, (high - zero_point) * scale)
+                found[node.name] = _per_tensor_qparams(fq)
     return found
 
 
-def requantize_dropouts(gm: torch.fx.GraphModule, qparams: dict[str, tuple[float, int, float, float]]) -> int:
-    """After each dropout of a converted graph named in ``qparams``, requantize to its fake-quant's qparams and range.
+def requantize_concatenated(gm: torch.fx.GraphModule, qparams: dict[str, tuple[float, int, float, float]]) -> int:
+    """Requantize each input of a converted graph's ``torch.cat`` to the qparams and range of the fake-quant after the
+    cat in training (the prepared graph's node of the same name); returns how many cats were rewritten.
 
-    Why (measured): torch.ao gives ``nn.Dropout`` an output observer of its own, which in training sees the
-    outputs scaled by 1 / (1 - p) (efficientnet_b0's classifier: scale 0.0461 against 0.0386 at its input), so
-    the fake-quant model re-rounds onto that coarser grid in eval; the int8 ``nnq.Dropout`` drops the scale and
-    passes its input through. Locally 40.5 dB at efficientnet_b0's ``classifier.0``. Returns how many were
-    inserted.
+    Why (measured): torch.ao shares one observer between a cat and its inputs, but an input produced by an op that
+    keeps its input's qparams (a reshape / permute after a conv: torchvision's ViT concatenates its class token to
+    the patch embedding) arrives with other qparams. The quantized ``cat`` then requantizes it onto the first
+    input's scale over the whole 0..255, not the trained range (0..127 under x86's reduce_range), and rounds by
+    its own rule: torchvision's ViT read 200 dB after ``conv_proj`` and 31.6 dB after the cat.
 
     Args:
-        gm: the converted graph, changed in place (recompiled if a node was inserted).
-        qparams: :func:`dropout_output_qparams` of the prepared graph it was converted from.
+        gm: the converted graph, changed in place (recompiled if a cat was rewritten).
+        qparams: :func:`concatenation_output_qparams` of the prepared graph it was converted from.
     """
     count = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_module" or str(node.target) not in qparams:
+        if node.op != "call_function" or node.target not in _CONCATENATIONS or node.name not in qparams:
             continue
-        _requantize_after(gm, node, requantized, qparams[str(node.target)])
+        tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+        if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, torch.fx.Node) for t in tensors):
+            continue
+        with gm.graph.inserting_before(node):
+            again = [gm.graph.call_function(requantized, (t, *qparams[node.name])) for t in tensors]
+        for step in again:
+            step.meta[REQUANTIZE_META] = True  # a quantization step, not a layer (qlightning.core.fidelity.layer_nodes)
+        node.args = (again, *node.args[1:]) if node.args else node.args
+        if not node.args:
+            node.kwargs = {**node.kwargs, "tensors": again}
         count += 1
     if count:
         gm.recompile()
@@ -757,8 +836,8 @@ class FxEngine(QuantEngine):
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
         """``convert_fx`` of the prepared module, then weights clamped to their fake-quant range, activations
         clamped to the trained range (``clamp_activations``), spatial means pooled (``pool_spatial_means``), and
-        average pools and dropouts requantized as the fake-quant model does (``requantize_as_trained``:
-        :func:`float_average_pools`, :func:`requantize_dropouts`).
+        average pools, dropouts, identities and concatenations requantized as the fake-quant model does (``requantize_as_trained``:
+        :func:`float_average_pools`, :func:`requantize_pass_throughs`, :func:`requantize_concatenated`).
 
         Args:
             module: the prepared module (decompiled and put in eval mode).
@@ -780,7 +859,9 @@ class FxEngine(QuantEngine):
         narrowed = narrow_activation_ranges(module)
         as_trained = spec.options.get("requantize_as_trained", True)
         with quiet_torch_ao(), trained_qparams(module, spec.options.get("trained_qparams", True)):
-            dropouts = dropout_output_qparams(module) if as_trained and isinstance(module, torch.fx.GraphModule) else {}
+            is_graph = as_trained and isinstance(module, torch.fx.GraphModule)
+            pass_throughs = pass_through_output_qparams(module) if is_graph else {}
+            concatenations = concatenation_output_qparams(module) if is_graph else {}
             converted = self.ao.convert_fx(
                 module,
                 convert_custom_config=spec.convert_custom_config,
@@ -796,7 +877,8 @@ class FxEngine(QuantEngine):
             pool_spatial_means(converted)
         if as_trained:
             float_average_pools(converted)
-            requantize_dropouts(converted, dropouts)
+            requantize_pass_throughs(converted, pass_throughs)
+            requantize_concatenated(converted, concatenations)
         return converted
 
     def quant_state(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
