@@ -63,7 +63,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     torch_versions = sorted({r.get("torch", "") for r in rows})
     lines = [
         f"Measured with torch {', '.join(torch_versions)} on 2 CPU cores (`python -m tests.zoo.table`; "
-        "fidelity: int8 vs fake-quant on 128 held digits after a fit of 48 steps of 32 (ViTs and the Llama decoder: "
+        "fidelity: int8 vs fake-quant on 128 held digits after a fit of 48 steps of 32 (ViTs and the Hugging Face transformers: "
         "144-192) with the callback's default schedule (float for the first half, observers frozen for the last 15 %), "
         "the fake-quant model at >= 25 % digits accuracy; "
         "latency: eager float vs the int8 module as converted, no lowering, median ms).",
