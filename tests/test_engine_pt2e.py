@@ -686,3 +686,47 @@ def test_stochastic_depth_is_off_in_eval_after_export(engine):
         assert not torch.equal(prepared(x), prepared(x))  # training: the branch is dropped at random
         prepared.eval()
         assert torch.equal(prepared(x), prepared(x))
+
+
+FRESH_TORCHSCRIPT = """
+import sys, torch
+path, inputs, out = sys.argv[1:]
+x = torch.load(inputs)
+m = torch.jit.load(path)
+with torch.no_grad():
+    loaded = sorted(k for k in sys.modules if k.startswith(("qlightning", "torch.ao.quantization.fx._decomposed", "torchao")))
+    torch.save({"full": m(x), "one": m(x[:1]), "modules": loaded}, out)
+"""
+
+
+def test_torchscript_artifact_loads_with_plain_torch_in_a_fresh_process(tmp_path):
+    """PT2E's int8 model is a graph of quantized_decomposed q/dq ops, which only torch.ao's _decomposed module
+    registers: its TorchScript failed `torch.jit.load` in a fresh process ("Unknown builtin op"), while the README and
+    the manifest say `torch.jit.load(path)`. The file now holds the same graph in core ATen ops."""
+    from qlightning.run.export import export_module
+
+    torch.manual_seed(0)
+    model = WideClassifier()
+    qat = QuantizationAwareTraining(modules=["net"], engine="pt2e")
+    qat.prepare(model)
+    qat.engine.set_phase(model.net, QAT)
+    for _ in range(3):
+        model.net(torch.randn(64, 256))
+    qat.engine.set_phase(model.net, FROZEN)
+    qat.convert(model)
+    x = torch.randn(7, 256)
+    with torch.no_grad():
+        expected, expected_one = model.net(x), model.net(x[:1])  # (a batch of 1 sums in another order)
+    artifacts, _ = export_module(qat, model, "net", Inputs((x[:2],)), tmp_path, ["torchscript"])
+    art = artifacts[0]
+    assert art.error is None, art.error
+    torch.save(x, tmp_path / "x.pt")
+    (tmp_path / "fresh.py").write_text(FRESH_TORCHSCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "fresh.py"), str(art.path), str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    assert got["modules"] == []  # plain torch: no qlightning, torchao or torch.ao q/dq ops
+    assert torch.equal(got["full"], expected) and torch.equal(got["one"], expected_one)  # the int8 model's outputs

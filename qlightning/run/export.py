@@ -24,6 +24,7 @@ What works on torch 2.13 (and why each route was chosen):
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -47,6 +48,7 @@ from qlightning.quantize.qdq import (
     qdq_program,
     qparams_summary,
     quiet_export,
+    to_aten,
     write_onnx,
     write_pt2,
 )
@@ -132,6 +134,7 @@ def save_int8(module: torch.nn.Module, path: Path, inputs: Inputs) -> Optional[s
         path: the file to write.
         inputs: example inputs (tracing falls back to them when scripting fails).
     """
+    module = _core_aten_qdq(module)
     # TorchScript's complaints about code it handles anyway: torch.ao's quantized modules annotate an
     # empty list in __init__; a PT2E graph's torch._check asserts trace as constants (the parity gate
     # runs the saved file against the int8 model, so a wrong trace is caught there, not here)
@@ -152,6 +155,22 @@ _TORCHSCRIPT_NOISE = (
     r".*The TorchScript type system doesn't support instance-level annotations on empty non-base types",
     r".*Converting a tensor to a Python boolean might cause the trace to be incorrect",
 )
+
+
+def _core_aten_qdq(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a q/dq graph (PT2E's int8 model) with its ``quantized_decomposed`` q/dq ops rewritten to core ATen
+    arithmetic (:func:`~qlightning.quantize.qdq.to_aten`, as the ``.pt2`` writer does); anything else as is.
+
+    Why: those ops are registered by ``torch.ao.quantization.fx._decomposed``, which a plain ``import torch`` does not
+    load, so ``torch.jit.load`` of a TorchScript file holding them fails in a fresh process ("Unknown builtin op:
+    quantized_decomposed::dequantize_per_channel", measured on the digits job with ``quant.engine=pt2e``).
+    """
+    if not isinstance(module, torch.fx.GraphModule) or not any(
+            "quantized_decomposed" in str(node.target) for node in module.graph.nodes if node.op == "call_function"):
+        return module
+    rewritten = copy.deepcopy(module)
+    to_aten(rewritten)
+    return rewritten
 
 
 def write_torchscript(int8: nn.Module, example: Inputs, path: Path) -> None:
