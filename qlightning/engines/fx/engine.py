@@ -421,9 +421,9 @@ def requantize_pass_throughs(gm: torch.fx.GraphModule, qparams: dict[str, tuple[
 _CONCATENATIONS = (torch.cat, torch.concat, torch.concatenate)
 
 
-def concatenation_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tuple[float, int, float, float]]:
-    """``{node name: (scale, zero_point, low, high)}`` of the fake-quant after each ``torch.cat`` of a prepared graph
-    (call inside :func:`trained_qparams`).
+def concatenation_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tuple[int, tuple[float, int, float, float]]]:
+    """``{node name: (number of inputs, (scale, zero_point, low, high))}`` of the fake-quant after each ``torch.cat`` of
+    a prepared graph (call inside :func:`trained_qparams`).
 
     Args:
         prepared: the prepared (fake-quant) GraphModule.
@@ -436,12 +436,13 @@ def concatenation_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tu
             continue
         for user in node.users:
             fq = prepared.get_submodule(str(user.target)) if user.op == "call_module" else None
-            if isinstance(fq, FakeQuantizeBase) and not getattr(fq, "is_per_channel", False):
-                found[node.name] = _per_tensor_qparams(fq)
+            tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+            if isinstance(fq, FakeQuantizeBase) and not getattr(fq, "is_per_channel", False) and isinstance(tensors, (list, tuple)):
+                found[node.name] = (len(tensors), _per_tensor_qparams(fq))
     return found
 
 
-def requantize_concatenated(gm: torch.fx.GraphModule, qparams: dict[str, tuple[float, int, float, float]]) -> int:
+def requantize_concatenated(gm: torch.fx.GraphModule, qparams: dict[str, tuple[int, tuple[float, int, float, float]]]) -> int:
     """Requantize each input of a converted graph's ``torch.cat`` to the qparams and range of the fake-quant after the
     cat in training (the prepared graph's node of the same name); returns how many cats were rewritten.
 
@@ -453,17 +454,20 @@ def requantize_concatenated(gm: torch.fx.GraphModule, qparams: dict[str, tuple[f
 
     Args:
         gm: the converted graph, changed in place (recompiled if a cat was rewritten).
-        qparams: :func:`concatenation_output_qparams` of the prepared graph it was converted from.
+        qparams: :func:`concatenation_output_qparams` of the prepared graph it was converted from (a cat whose input
+            count differs from the prepared one's of that name is left alone).
     """
     count = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _CONCATENATIONS or node.name not in qparams:
             continue
         tensors = node.args[0] if node.args else node.kwargs.get("tensors")
-        if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, torch.fx.Node) for t in tensors):
-            continue
+        count_in, trained = qparams[node.name]
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != count_in or \
+                not all(isinstance(t, torch.fx.Node) for t in tensors):
+            continue  # not the cat of that name in the prepared graph
         with gm.graph.inserting_before(node):
-            again = [gm.graph.call_function(requantized, (t, *qparams[node.name])) for t in tensors]
+            again = [gm.graph.call_function(requantized, (t, *trained)) for t in tensors]
         for step in again:
             step.meta[REQUANTIZE_META] = True  # a quantization step, not a layer (qlightning.core.fidelity.layer_nodes)
         node.args = (again, *node.args[1:]) if node.args else node.args
