@@ -186,9 +186,7 @@ def test_breach_names_the_broken_layer_and_can_warn(qat_run, tmp_path):
         conv.scale = original
     assert extra["parity"]["passed"] is False
     conversion = {row["layer"]: row["conversion_sqnr_db"] for row in extra["layers"]}
-    # the untouched layer before the broken one: int8 vs its float-simulated reference, which can part by one LSB
-    # where the float sum lands within an ulp of a rounding boundary (75.7 dB on this fit), never by a broken scale
-    assert conversion["net.features.0.0"] >= 60
+    assert conversion["net.features.0.0"] >= 100  # untouched layer before the broken one
     assert conversion["net.features.1.0"] < 30
     assert "(graph order): net.features.1.0" in extra["parity"]["message"]
 

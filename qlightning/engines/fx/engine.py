@@ -18,7 +18,7 @@ from qlightning.core.schedule import Phase
 from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, is_fused_fake_quant, check_batch_norm_gammas, quantized_engine, settle_fake_quant_state, trained_qparams
 from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao
 from qlightning.engines.fx.prepare import faster_prepare
-from qlightning.engines.fx.weights import default_qat_qconfig_mapping
+from qlightning.engines.fx.weights import average_ranges_outside_conv_bn, default_qat_qconfig_mapping
 from qlightning.engines.fx.fast_fq import restore_fake_quant, swap_fake_quant
 from qlightning.engines.fx.qconfig_builder import QConfigBuilder, check_against_model
 from qlightning.engines.fx.qconfigs import clamp_quantized_weights
@@ -708,6 +708,7 @@ class FxEngine(QuantEngine):
             swap_fake_quant(prepared, fake_quant=True, conv_bn=spec.options.get("fast_conv_bn", True), relu=True,
                             linear=spec.options.get("fast_linear", True))
         if spec.is_qat:
+            average_ranges_outside_conv_bn(prepared)  # current weight ranges where BatchNorm moves the weights
             settle_fake_quant_state(prepared)  # no evaluation before training may move a buffer (base.py)
         return prepared
 
