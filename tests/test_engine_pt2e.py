@@ -504,6 +504,32 @@ class WideClassifier(pl.LightningModule):
         return self.net(x)
 
 
+def _converted_wide_classifier() -> tuple[nn.Module, QuantizationAwareTraining]:
+    """A WideClassifier prepared by the pt2e engine, 3 observing fake-quant steps, frozen and converted."""
+    torch.manual_seed(0)
+    model = WideClassifier()
+    qat = QuantizationAwareTraining(modules=["net"], engine="pt2e")
+    qat.prepare(model)
+    qat.engine.set_phase(model.net, QAT)
+    for _ in range(3):
+        model.net(torch.randn(64, 256))
+    qat.engine.set_phase(model.net, FROZEN)
+    qat.convert(model)
+    return model, qat
+
+
+def _run_fresh(tmp_path, script: str, artifact, x: torch.Tensor) -> dict:
+    """``script`` run in a fresh Python process on ``artifact`` and ``x``; what it saved."""
+    torch.save(x, tmp_path / "x.pt")
+    (tmp_path / "fresh.py").write_text(script)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "fresh.py"), str(artifact), str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(tmp_path / "out.pt")
+
+
 FRESH_PT2 = """
 import sys, torch
 path, inputs, out = sys.argv[1:]
@@ -519,16 +545,8 @@ def test_pt2_artifact_is_int8_sized_and_reloads_in_a_fresh_process(tmp_path):
     from qlightning.run.export import export_module
     from qlightning.run.parity import sqnr_db
 
-    torch.manual_seed(0)
-    model = WideClassifier()
-    float_bytes = _state_bytes(model.net)  # 1.3 M parameters: the weights dominate the file
-    qat = QuantizationAwareTraining(modules=["net"], engine="pt2e")
-    qat.prepare(model)
-    qat.engine.set_phase(model.net, QAT)
-    for _ in range(3):
-        model.net(torch.randn(64, 256))
-    qat.engine.set_phase(model.net, FROZEN)
-    qat.convert(model)
+    float_bytes = _state_bytes(WideClassifier().net)  # 1.3 M parameters: the weights dominate the file
+    model, qat = _converted_wide_classifier()
     x = torch.randn(7, 256)
     with torch.no_grad():
         expected = model.net(x)
@@ -538,14 +556,7 @@ def test_pt2_artifact_is_int8_sized_and_reloads_in_a_fresh_process(tmp_path):
     ratio = art.path.stat().st_size / float_bytes
     print(f"pt2 {art.path.stat().st_size} B, float state dict {float_bytes} B: {ratio:.3f}")
     assert ratio <= 0.3
-    torch.save(x, tmp_path / "x.pt")
-    (tmp_path / "fresh.py").write_text(FRESH_PT2)
-    done = subprocess.run(
-        [sys.executable, str(tmp_path / "fresh.py"), str(art.path), str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = torch.load(tmp_path / "out.pt")
+    got = _run_fresh(tmp_path, FRESH_PT2, art.path, x)
     assert not got["qlightning"] and got["full"].shape == (7, 10) and got["one"].shape == (1, 10)
     assert sqnr_db(expected, got["full"]) >= 30.0 and sqnr_db(expected[:1], got["one"]) >= 30.0
 
@@ -705,28 +716,13 @@ def test_torchscript_artifact_loads_with_plain_torch_in_a_fresh_process(tmp_path
     the manifest say `torch.jit.load(path)`. The file now holds the same graph in core ATen ops."""
     from qlightning.run.export import export_module
 
-    torch.manual_seed(0)
-    model = WideClassifier()
-    qat = QuantizationAwareTraining(modules=["net"], engine="pt2e")
-    qat.prepare(model)
-    qat.engine.set_phase(model.net, QAT)
-    for _ in range(3):
-        model.net(torch.randn(64, 256))
-    qat.engine.set_phase(model.net, FROZEN)
-    qat.convert(model)
+    model, qat = _converted_wide_classifier()
     x = torch.randn(7, 256)
     with torch.no_grad():
         expected, expected_one = model.net(x), model.net(x[:1])  # (a batch of 1 sums in another order)
     artifacts, _ = export_module(qat, model, "net", Inputs((x[:2],)), tmp_path, ["torchscript"])
     art = artifacts[0]
     assert art.error is None, art.error
-    torch.save(x, tmp_path / "x.pt")
-    (tmp_path / "fresh.py").write_text(FRESH_TORCHSCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(tmp_path / "fresh.py"), str(art.path), str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = torch.load(tmp_path / "out.pt")
+    got = _run_fresh(tmp_path, FRESH_TORCHSCRIPT, art.path, x)
     assert got["modules"] == []  # plain torch: no qlightning, torchao or torch.ao q/dq ops
     assert torch.equal(got["full"], expected) and torch.equal(got["one"], expected_one)  # the int8 model's outputs

@@ -169,7 +169,10 @@ def _core_aten_qdq(module: torch.nn.Module) -> torch.nn.Module:
             "quantized_decomposed" in str(node.target) for node in module.graph.nodes if node.op == "call_function"):
         return module
     rewritten = copy.deepcopy(module)
-    to_aten(rewritten)
+    try:
+        to_aten(rewritten)
+    except ExportError:  # q/dq parameters computed per call (dynamic quantization): as before, torch.ao's ops stay
+        return module
     return rewritten
 
 

@@ -360,6 +360,16 @@ def _per_tensor_qparams(fq: Any) -> tuple[float, int, float, float]:
     return scale, int(zero_point), (low - zero_point) * scale, (high - zero_point) * scale
 
 
+def _per_tensor_fake_quant(prepared: torch.fx.GraphModule, node: Any) -> Any:
+    """The per-tensor fake-quant module ``node`` calls in a prepared graph, else ``None``."""
+    from torch.ao.quantization import FakeQuantizeBase
+
+    if not isinstance(node, torch.fx.Node) or node.op != "call_module":
+        return None
+    fq = prepared.get_submodule(str(node.target))
+    return fq if isinstance(fq, FakeQuantizeBase) and not getattr(fq, "is_per_channel", False) else None
+
+
 def pass_through_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tuple[float, int, float, float]]:
     """``{module: (scale, zero_point, low, high)}`` of the fake-quant after each pass-through module (dropouts,
     ``nn.Identity``) of a prepared graph whose int8 counterpart would not apply it: every dropout, and an
@@ -368,25 +378,18 @@ def pass_through_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tup
     Args:
         prepared: the prepared (fake-quant) GraphModule.
     """
-    from torch.ao.quantization import FakeQuantizeBase
-
-    def per_tensor_fake_quant(node: Any) -> Any:
-        fq = prepared.get_submodule(str(node.target)) if isinstance(node, torch.fx.Node) and node.op == "call_module" else None
-        return fq if isinstance(fq, FakeQuantizeBase) and not getattr(fq, "is_per_channel", False) else None
-
     found = {}
     for node in prepared.graph.nodes:
-        if node.op != "call_module" or not isinstance(prepared.get_submodule(str(node.target)), _PASS_THROUGH_MODULES):
+        module = prepared.get_submodule(str(node.target)) if node.op == "call_module" else None
+        if not isinstance(module, _PASS_THROUGH_MODULES):
             continue
-        before = per_tensor_fake_quant(node.args[0]) if node.args else None
+        before = _per_tensor_fake_quant(prepared, node.args[0]) if node.args else None
+        # a dropout always: its own observer saw the training outputs scaled by 1 / (1 - p)
+        keep_if_equal = None if isinstance(module, _DROPOUT_MODULES) or before is None else _per_tensor_qparams(before)
         for user in node.users:
-            after = per_tensor_fake_quant(user)
-            if after is None:
-                continue
-            qparams = _per_tensor_qparams(after)
-            is_dropout = isinstance(prepared.get_submodule(str(node.target)), _DROPOUT_MODULES)
-            if is_dropout or before is None or _per_tensor_qparams(before) != qparams:
-                found[str(node.target)] = qparams
+            after = _per_tensor_fake_quant(prepared, user)
+            if after is not None and _per_tensor_qparams(after) != keep_if_equal:
+                found[str(node.target)] = _per_tensor_qparams(after)
     return found
 
 
@@ -428,16 +431,16 @@ def concatenation_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tu
     Args:
         prepared: the prepared (fake-quant) GraphModule.
     """
-    from torch.ao.quantization import FakeQuantizeBase
-
     found = {}
     for node in prepared.graph.nodes:
         if node.op != "call_function" or node.target not in _CONCATENATIONS:
             continue
+        tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+        if not isinstance(tensors, (list, tuple)):
+            continue
         for user in node.users:
-            fq = prepared.get_submodule(str(user.target)) if user.op == "call_module" else None
-            tensors = node.args[0] if node.args else node.kwargs.get("tensors")
-            if isinstance(fq, FakeQuantizeBase) and not getattr(fq, "is_per_channel", False) and isinstance(tensors, (list, tuple)):
+            fq = _per_tensor_fake_quant(prepared, user)
+            if fq is not None:
                 found[node.name] = (len(tensors), _per_tensor_qparams(fq))
     return found
 
