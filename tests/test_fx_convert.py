@@ -6,6 +6,8 @@ import copy
 import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 
@@ -212,3 +214,30 @@ def test_int8_class_token_concatenation_computes_what_the_fake_quant_model_does(
         assert _layers(prepared, fixed, images)["norm"] == MAX_SQNR_DB
     with torch.no_grad():  # the rewrite stays TorchScript-traceable (int8_net.pt)
         assert torch.equal(torch.jit.trace(fixed, (images,), check_trace=False)(images), fixed(images))
+
+
+def _float_requantized(x: torch.Tensor, scale: float, zero_point: int, low: float, high: float) -> torch.Tensor:
+    """``requantized``'s general path: dequantize, clamp, round as the fake-quant op rounds, quantize."""
+    lowest, highest = (0, 255) if x.dtype == torch.quint8 else (-128, 127)
+    on_grid = torch.fake_quantize_per_tensor_affine(torch.clamp(x.dequantize(), low, high), scale, zero_point, lowest, highest)
+    return torch.quantize_per_tensor(on_grid, scale, zero_point, x.dtype)
+
+
+@given(scale=st.floats(2.0**-13, 8.0, width=32), zero_point=st.integers(0, 255), span=st.tuples(st.integers(0, 255), st.integers(0, 255)),
+       seed=st.integers(0, 2**16), signed=st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_requantizing_onto_the_grid_a_tensor_already_has_only_clamps_it(scale, zero_point, span, seed, signed):
+    # the cat inputs of shufflenet_v2 arrive on the cat's own qparams (torch.ao shares the observer): requantized()
+    # then clamps on the integers instead of four float passes; the result must be the float path's, bit for bit
+    from qlightning.engines.fx.engine import requantized
+
+    dtype, offset = (torch.qint8, 128) if signed else (torch.quint8, 0)
+    zero_point -= offset
+    qmin, qmax = sorted(v - offset for v in span)
+    ints = torch.randint(-offset, 256 - offset, (2, 3, 5, 5), generator=torch.Generator().manual_seed(seed))
+    x = torch._make_per_tensor_quantized_tensor(ints.to(torch.int8 if signed else torch.uint8), scale, zero_point)
+    assert x.dtype == dtype
+    low, high = (qmin - zero_point) * scale, (qmax - zero_point) * scale  # the fake-quant's range, as convert has it
+    fast, general = requantized(x, scale, zero_point, low, high), _float_requantized(x, scale, zero_point, low, high)
+    assert torch.equal(fast.int_repr(), general.int_repr())
+    assert (fast.q_scale(), fast.q_zero_point()) == (general.q_scale(), general.q_zero_point())

@@ -286,6 +286,11 @@ def requantized(x: torch.Tensor, scale: float, zero_point: int, low: float, high
         if as_node is not None:
             return as_node
     if x.is_quantized:
+        if x.q_scale() == scale and x.q_zero_point() == zero_point:  # activations are per-tensor in torch.ao
+            # already on the grid (the usual case: torch.ao shares a cat's observer with its inputs): only the
+            # range is left, clamped on the integers; the same values as below, without four passes over float
+            # copies (shufflenet_v2's 32 concatenated branches: notes/perf.md)
+            return torch.clamp(x, low, high)
         lowest, highest = (0, 255) if x.dtype == torch.quint8 else (-128, 127)
         on_grid = torch.fake_quantize_per_tensor_affine(torch.clamp(x.dequantize(), low, high), scale, zero_point,
                                                         lowest, highest)  # rounded as the fake-quant op rounds
@@ -445,6 +450,15 @@ def concatenation_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tu
     return found
 
 
+def _clamped_onto(gm: torch.fx.GraphModule, node: Any, trained: tuple[float, int, float, float]) -> bool:
+    """Whether ``node`` is a :func:`clamp_activations` clamp to exactly ``trained``'s range after an op that chooses
+    ``trained``'s scale and zero point (a cat input that shares the cat's observer, as torch.ao usually makes it)."""
+    scale, zero_point, low, high = trained
+    return (isinstance(node, torch.fx.Node) and node.meta.get(CLAMP_META, False) and node.target is torch.clamp
+            and node.kwargs.get("min") == low and node.kwargs.get("max") == high and isinstance(node.args[0], torch.fx.Node)
+            and _quantized_output_qparams(gm, node.args[0]) == (scale, zero_point))
+
+
 def requantize_concatenated(gm: torch.fx.GraphModule, qparams: dict[str, tuple[int, tuple[float, int, float, float]]]) -> int:
     """Requantize each input of a converted graph's ``torch.cat`` to the qparams and range of the fake-quant after the
     cat in training (the prepared graph's node of the same name); returns how many cats were rewritten.
@@ -469,10 +483,17 @@ def requantize_concatenated(gm: torch.fx.GraphModule, qparams: dict[str, tuple[i
         if not isinstance(tensors, (list, tuple)) or len(tensors) != count_in or \
                 not all(isinstance(t, torch.fx.Node) for t in tensors):
             continue  # not the cat of that name in the prepared graph
-        with gm.graph.inserting_before(node):
-            again = [gm.graph.call_function(requantized, (t, *trained)) for t in tensors]
-        for step in again:
+        again = []
+        for t in tensors:
+            if _clamped_onto(gm, t, trained):
+                again.append(t)  # already on the trained qparams and range: requantizing would change nothing
+                continue
+            with gm.graph.inserting_before(node):
+                step = gm.graph.call_function(requantized, (t, *trained))
             step.meta[REQUANTIZE_META] = True  # a quantization step, not a layer (qlightning.core.fidelity.layer_nodes)
+            again.append(step)
+        if all(a is t for a, t in zip(again, tensors)):
+            continue
         node.args = (again, *node.args[1:]) if node.args else node.args
         if not node.args:
             node.kwargs = {**node.kwargs, "tensors": again}
