@@ -34,6 +34,7 @@ Examples::
     python -m benchmarks options --model transformer --off fast_linear   # A/B of engine options
     python -m benchmarks compile                 # the compiled QAT path (engine_options.compile) vs eager and compiled float
     python -m benchmarks fit                     # wall time of whole Trainer.fit runs: float, QAT defaults, compile=on
+    PYTHONPATH=. .venv214/bin/python -m benchmarks int8 --models shufflenet_v2_x0_5 --threads 2   # zoo int8 latency A/B
 """
 
 from __future__ import annotations
@@ -320,6 +321,56 @@ def run_options(args: argparse.Namespace) -> None:
     print(json.dumps({name: round(value / med["float"], 3) for name, value in med.items()}, indent=2))
 
 
+def run_int8(args: argparse.Namespace) -> None:
+    """Eager latency of zoo models (``tests/zoo``, torchvision / timm): float, the FX engine's int8 module as shipped, and
+    the same convert without ``requantize_as_trained`` (torch.ao's graph, no fidelity rewrites), calls interleaved,
+    wall-clock medians at batch 1 and 32; the int8 modules come from a prepared model that observed 3 random batches
+    (latency does not depend on the weights). Writes results/int8-<time>.json."""
+    import torch.ao.quantization as tq
+
+    from benchmarks.suites import quiet
+    from benchmarks.timing import interleaved_medians, medians
+    from qlightning import QuantizationAwareTraining
+    from qlightning.examples.digits import ClassifierModule
+    from tests.zoo.harness import MODELS
+
+    names = args.models.split(",") if args.models else ["resnet18", "mobilenet_v2", "shufflenet_v2_x0_5", "regnet_x_400mf"]
+    out: dict = {"machine": machine(args), "repeats": args.repeats or 30, "models": {}}
+    for name in names:
+        spec = MODELS[name]
+        int8 = {}
+        for label, options in (("int8", {}), ("int8, requantize_as_trained=false", {"requantize_as_trained": False})):
+            torch.manual_seed(0)
+            model = ClassifierModule(spec.build())
+            model.example_input_array = torch.zeros(2, 3, 32, 32)
+            engine_options = {**spec.options.get("engine_options", {}), **options}
+            qat = QuantizationAwareTraining(modules=["net"], engine="fx", **{**spec.options, "engine_options": engine_options})
+            with quiet():
+                qat.prepare(model)
+                model.train()
+                model.net.apply(tq.enable_observer)
+                model.net.apply(tq.enable_fake_quant)
+                with torch.no_grad():
+                    for _ in range(3):
+                        model.net(torch.randn(32, 3, 32, 32))
+                qat.convert(model)
+            int8[label] = model.net.eval()
+        float_model = spec.build().eval()
+        row = {}
+        for batch in (1, 32):
+            x = torch.randn(batch, 3, 32, 32)
+            fns = {"float": lambda: float_model(x), **{k: (lambda m=m: m(x)) for k, m in int8.items()}}
+            with torch.no_grad():
+                med = medians(interleaved_medians(fns, args.repeats or 30, warmup=3, clock="wall"))
+            row[f"batch {batch}"] = {"ms": {k: round(v * 1e3, 3) for k, v in med.items()},
+                                     "speed_up_over_float": {k: round(med["float"] / v, 2) for k, v in med.items() if k != "float"}}
+        out["models"][name] = row
+        print(json.dumps({name: row}, indent=2), flush=True)
+    path = Path(args.out).with_suffix(".json") if args.out else RESULTS / f"int8-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    _log(f"wrote {path}")
+
+
 def run_compile(args: argparse.Namespace) -> None:
     """The compiled QAT training path beside eager and compiled float, per model; writes results/compile-<time>.json."""
     from benchmarks import suites
@@ -341,12 +392,12 @@ def run_compile(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy", "options", "readme", "compile", "fit"))
+    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy", "options", "readme", "compile", "fit", "int8"))
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--repeats", type=int, default=0, help="repeats per timing (default: per model and mode)")
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer candidates (< ~3 min on 2 cores)")
     parser.add_argument("--clock", default="cpu", choices=("cpu", "wall"), help="thread CPU time (default) or wall time")
-    parser.add_argument("--models", default="", help=f"comma-separated subset of {','.join(MODEL_NAMES)}")
+    parser.add_argument("--models", default="", help=f"comma-separated subset of {','.join(MODEL_NAMES)} (int8: tests/zoo model names)")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
     parser.add_argument("--out", "--output", dest="out", default=None,
@@ -387,6 +438,8 @@ def main(argv: list[str] | None = None) -> None:
         return None
     if args.command == "compile":
         return run_compile(args)
+    if args.command == "int8":
+        return run_int8(args)
     if args.command == "fit":
         from benchmarks import suites
 

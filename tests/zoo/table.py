@@ -66,7 +66,8 @@ def render(rows: list[dict[str, Any]]) -> str:
         "fidelity: int8 vs fake-quant on 128 held digits after a fit of 48 steps of 32 (ViTs and the Hugging Face transformers: "
         "144-192) with the callback's default schedule (float for the first half, observers frozen for the last 15 %), "
         "the fake-quant model at >= 25 % digits accuracy; "
-        "latency: eager float vs the int8 module as converted, no lowering, median ms).",
+        "latency: eager float vs the int8 module as converted, no lowering, wall-clock median ms of 15 calls, float and int8 "
+        "interleaved).",
         "",
         "| model | engine | outcome | SQNR dB | top-1 agreement | int8 digits acc. | float / int8 ms, batch 1 (int8 speed-up) | float / int8 ms, batch 32 (int8 speed-up) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
