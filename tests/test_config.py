@@ -548,3 +548,24 @@ def test_engine_options_reach_the_engine():
     _, plain = prepared_net("+quant.engine_options.fast_qat=false")
     assert any(fast_fq.is_fast(m) for m in fast.modules())
     assert not any(fast_fq.is_fast(m) or "forward" in m.__dict__ for m in plain.modules())
+
+
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_milestones_past_the_trainer_limits_are_refused_before_a_trainer_exists(command, tmp_path, capsys):
+    # stop 24, noticed: `qlightning train` printed Lightning's model summary (and prepared the model) before the
+    # callback found, at fit start, that the schedule's milestones lie beyond max_epochs; both limits are in the config
+    overrides = ["quant.schedule.fake_quant_start.epoch=6", "quant.schedule.observer_freeze.epoch=7",
+                 "quant.schedule.bn_freeze={step: 40, epoch: null}", "trainer.max_steps=40"]
+    args = (["recipes", "validate", "digits_fast"] if command == "validate"
+            else ["train", "recipe=digits_fast", f"hydra.run.dir={tmp_path}/run"])
+    try:
+        code = cli_main([*args, *overrides])
+    except SystemExit as exc:  # `train` exits from inside Hydra's main
+        code = exc.code
+    out = capsys.readouterr()
+    assert code, out.err
+    assert "quant.schedule.fake_quant_start={epoch: 6}: the fit ends after max_epochs=4, so it is never reached" in out.err
+    assert "quant.schedule.observer_freeze={epoch: 7}" in out.err and "quant.schedule.bn_freeze={step: 40}: the fit ends at max_steps=40" in out.err
+    assert "set quant.schedule.auto=true" in out.err  # the command line's advice, not the callback argument's
+    assert "Traceback" not in out.err and "Trainable params" not in out.out + out.err and "prepared" not in out.out + out.err
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -7,7 +7,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from qlightning.core.inputs import resolve_targets
-from qlightning.config.build import build_callback, check_targets, instantiate_checked
+from qlightning.core.schedule import Schedule, beyond_trainer_limits
+from qlightning.config.build import build_callback, check_targets, config_keys, instantiate_checked
 from qlightning.config.checkpoint_check import check_checkpoint
 from qlightning.config.dry_run import dry_run_problems, first_batch
 from qlightning.config.export_schema import check_export_config
@@ -131,6 +132,28 @@ def export_format_problems(cfg: DictConfig, callback: Any) -> list[str]:
     ]
 
 
+def schedule_limit_problems(cfg: DictConfig, callback: Any) -> list[str]:
+    """Milestones past ``trainer.max_epochs`` / ``trainer.max_steps``: reported with the other configuration errors,
+    before a Trainer exists (the callback finds them too, but only once the fit has started and printed its summary).
+
+    Args:
+        cfg: the composed run config (its ``trainer`` limits).
+        callback: the quantization callback built from it (a derived schedule has no milestones to check).
+    """
+    schedule = getattr(callback, "schedule", None)
+    if not isinstance(schedule, Schedule):
+        return []
+
+    def limit(key: str) -> Optional[int]:
+        try:
+            value = OmegaConf.select(cfg, f"trainer.{key}")
+        except Exception:  # an interpolation error: reported by interpolation_errors
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return [config_keys(p) for p in beyond_trainer_limits(schedule, limit("max_epochs"), limit("max_steps"), "quant.schedule.")]
+
+
 def runs_dry(cfg: DictConfig, dry_run: Optional[bool]) -> bool:
     """Whether :func:`validate_config` dry-runs: ``dry_run``, or for ``None`` where it costs seconds (fx).
 
@@ -171,6 +194,7 @@ def validate_config(cfg: DictConfig, dry_run: Optional[bool] = True) -> tuple[li
             problems.extend(exc.problems)
         if callback is not None:
             problems.extend(export_format_problems(cfg, callback))
+            problems.extend(schedule_limit_problems(cfg, callback))
     if not static:  # nothing is instantiated unless every _target_ and value passed
         try:
             model = instantiate_checked(cfg.model, "model")

@@ -238,6 +238,14 @@ class AutoSchedule:
                 f"observers frozen from {self.observer_freeze:.0%}, BatchNorm statistics never frozen")
 
 
+def _never_reached(prefix: str, key: str, milestone: "Milestone", ends: str) -> str:
+    unit = "step" if milestone.step is not None else "epoch"
+    value = milestone.step if milestone.step is not None else milestone.epoch
+    return (f"{prefix}{key}={{{unit}: {value}}}: the fit ends {ends}, so it is never reached and the model would be "
+            f"converted without training against quantization; move it earlier, train longer, or leave the schedule "
+            f"to the run (the default)")
+
+
 def unreachable(schedule: Schedule, total_steps: Optional[float], steps_per_epoch: Optional[float],
                 limits: str = "", prefix: str = "") -> list[str]:
     """Milestones a fit of ``total_steps`` optimizer steps (``steps_per_epoch`` a epoch) never reaches.
@@ -259,11 +267,29 @@ def unreachable(schedule: Schedule, total_steps: Optional[float], steps_per_epoc
         step = milestone.step if milestone.step is not None else (
             None if not steps_per_epoch else milestone.epoch * steps_per_epoch)
         if step is not None and step >= total_steps:
-            problems.append(
-                f"{prefix}{key}={{{'step' if milestone.step is not None else 'epoch'}: "
-                f"{milestone.step if milestone.step is not None else milestone.epoch}}}: the fit ends after "
-                f"{int(total_steps)} optimizer steps ({limits or 'the Trainer limits'}), so it is never reached "
-                f"and the model would be converted without training against quantization; move it earlier, "
-                f"train longer, or leave the schedule to the run (the default)"
-            )
+            problems.append(_never_reached(
+                prefix, key, milestone, f"after {int(total_steps)} optimizer steps ({limits or 'the Trainer limits'})"))
+    return problems
+
+
+def beyond_trainer_limits(schedule: Schedule, max_epochs: Optional[int], max_steps: Optional[int],
+                          prefix: str = "") -> list[str]:
+    """Milestones past the Trainer's own ``max_epochs`` / ``max_steps``: known from the configuration alone, before a
+    Trainer or a data loader exists (:func:`unreachable` finds the rest once the run's length is known).
+
+    Args:
+        schedule: the milestones.
+        max_epochs: the Trainer's ``max_epochs`` (``None`` or negative: no limit).
+        max_steps: the Trainer's ``max_steps`` (``None`` or negative: no limit).
+        prefix: prepended to each milestone's name.
+    """
+    problems = []
+    for key in ("fake_quant_start", "observer_freeze", "bn_freeze"):
+        milestone = getattr(schedule, key)
+        if milestone is None:
+            continue
+        if milestone.step is not None and max_steps is not None and 0 <= max_steps <= milestone.step:
+            problems.append(_never_reached(prefix, key, milestone, f"at max_steps={max_steps}"))
+        elif milestone.epoch is not None and max_epochs is not None and 0 <= max_epochs <= milestone.epoch:
+            problems.append(_never_reached(prefix, key, milestone, f"after max_epochs={max_epochs}"))
     return problems
