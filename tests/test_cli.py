@@ -94,8 +94,9 @@ def test_overrides_reach_the_run(tmp_path):
         (["recipe=no_such_recipe"], "unknown recipe; available: ["),
         (["model._target_=os.system"], "not an allowed class"),
         (["loggers=[wandb]"], "expected one of [csv, tensorboard]"),
-        # the default job's milestones (epochs 3 and 6) past a shorter run: named as config keys, with the fix
-        (["trainer.max_epochs=4"], ["quant.schedule.observer_freeze={epoch: 6}: the fit ends after 80 optimizer steps",
+        # the default job's milestones (epochs 3 and 6) past a shorter run: named as config keys, with the fix (found
+        # from the config before a Trainer exists; the callback's own check said "after 80 optimizer steps" at fit start)
+        (["trainer.max_epochs=4"], ["quant.schedule.observer_freeze={epoch: 6}: the fit ends after max_epochs=4",
                                     "set quant.schedule.auto=true"]),
     ],
 )

@@ -569,3 +569,12 @@ def test_milestones_past_the_trainer_limits_are_refused_before_a_trainer_exists(
     assert "set quant.schedule.auto=true" in out.err  # the command line's advice, not the callback argument's
     assert "Traceback" not in out.err and "Trainable params" not in out.out + out.err and "prepared" not in out.out + out.err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("overrides", [["quant.schedule.auto=true", "trainer.max_steps=30"], ["trainer.max_steps=30"]],
+                         ids=["derived", "explicit-within"])
+def test_schedules_the_run_reaches_pass_the_limit_check(overrides, capsys):
+    # the derived schedule holds a placeholder milestone (step 2**62) until the fit starts: not a milestone to check
+    code = cli_main(["recipes", "validate", "digits_fast", *overrides])
+    err = capsys.readouterr().err
+    assert code == 0, err

@@ -141,8 +141,8 @@ def schedule_limit_problems(cfg: DictConfig, callback: Any) -> list[str]:
         callback: the quantization callback built from it (a derived schedule has no milestones to check).
     """
     schedule = getattr(callback, "schedule", None)
-    if not isinstance(schedule, Schedule):
-        return []
+    if not isinstance(schedule, Schedule) or getattr(callback, "auto_schedule", None) is not None:
+        return []  # a derived schedule holds a placeholder until the run's length is known
 
     def limit(key: str) -> Optional[int]:
         try:
