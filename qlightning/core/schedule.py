@@ -238,6 +238,12 @@ class AutoSchedule:
                 f"observers frozen from {self.observer_freeze:.0%}, BatchNorm statistics never frozen")
 
 
+def _given_milestones(schedule: Schedule) -> list[tuple[str, "Milestone"]]:
+    """``(name, milestone)`` of each milestone ``schedule`` sets, in the order a fit meets them."""
+    keys = ("fake_quant_start", "observer_freeze", "bn_freeze")
+    return [(key, getattr(schedule, key)) for key in keys if getattr(schedule, key) is not None]
+
+
 def _never_reached(prefix: str, key: str, milestone: "Milestone", ends: str) -> str:
     unit = "step" if milestone.step is not None else "epoch"
     value = milestone.step if milestone.step is not None else milestone.epoch
@@ -260,10 +266,7 @@ def unreachable(schedule: Schedule, total_steps: Optional[float], steps_per_epoc
     if total_steps is None or total_steps == float("inf"):
         return []
     problems = []
-    for key in ("fake_quant_start", "observer_freeze", "bn_freeze"):
-        milestone = getattr(schedule, key)
-        if milestone is None:
-            continue
+    for key, milestone in _given_milestones(schedule):
         step = milestone.step if milestone.step is not None else (
             None if not steps_per_epoch else milestone.epoch * steps_per_epoch)
         if step is not None and step >= total_steps:
@@ -284,10 +287,7 @@ def beyond_trainer_limits(schedule: Schedule, max_epochs: Optional[int], max_ste
         prefix: prepended to each milestone's name.
     """
     problems = []
-    for key in ("fake_quant_start", "observer_freeze", "bn_freeze"):
-        milestone = getattr(schedule, key)
-        if milestone is None:
-            continue
+    for key, milestone in _given_milestones(schedule):
         if milestone.step is not None and max_steps is not None and 0 <= max_steps <= milestone.step:
             problems.append(_never_reached(prefix, key, milestone, f"at max_steps={max_steps}"))
         elif milestone.epoch is not None and max_epochs is not None and 0 <= max_epochs <= milestone.epoch:
