@@ -220,6 +220,30 @@ def test_observe_stages_lets_validation_calibrate(engine):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_logged_phase_flags_follow_the_schedule_at_every_logged_step(tmp_path):
+    """The ``qat/*`` phase flags are logged when they change and on the loggers' writing steps, not every
+    step (a ``log`` call costs ~1 ms): every row the logger writes must still carry the phase of its step,
+    across epoch boundaries, with the activation scales beside them."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    pl.seed_everything(0)
+    model, dm = DigitsClassifier(), DigitsDataModule(seed=0)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"step": 9}, observer_freeze={"step": 31},
+                                    bn_freeze={"step": 44}, convert_on_fit_end=False)
+    trainer = make_trainer([qat], max_epochs=3, logger=CSVLogger(tmp_path), log_every_n_steps=4)
+    trainer.fit(model, datamodule=dm)
+    rows = [r for r in csv.DictReader(open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")) if r.get("train/loss")]
+    assert len(rows) >= 12, rows  # 20 batches an epoch: a row every 4th step
+    for row in rows:
+        step = int(row["step"])
+        expected = qat.schedule.phase(step, int(row["epoch"]))
+        logged = Phase(*(float(row[f"qat/{k}"]) == 1.0 for k in ("fake_quant", "observe", "bn_frozen")))
+        assert logged == expected, (step, row)
+        assert any(k.startswith("qat/scale/net.") and row[k] for k in row), (step, row)
+
+
 class CountingClassifier(DigitsClassifier):
     steps = 0
 

@@ -483,7 +483,8 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
         if not self.prepared or self.converted:
             return
         phase = self.schedule.phase(trainer.global_step, trainer.current_epoch)
-        if phase != self.phase:
+        changed = phase != self.phase
+        if changed:
             rank_zero_info(
                 f"[qlightning] step {trainer.global_step} (epoch {trainer.current_epoch}): {phase.describe()}"
             )
@@ -493,18 +494,32 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
             if self.ptq_batches and not self.ptq_modules:
                 self._run_ptq_baseline(trainer, pl_module)  # before fake-quant is applied: float weights
         if trainer.loggers:
-            for key, value in vars(phase).items():
-                pl_module.log(f"qat/{key}", float(value), on_step=True, on_epoch=False)
-            if trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
-                # activation scales over training: the report plots their evolution
-                for name in self.targets:
-                    for key, q in self.engine.describe_qparams(pl_module.get_submodule(name)).items():
-                        if "weight_fake_quant" not in key:
-                            pl_module.log(f"qat/scale/{name}.{key}", q["scale_mean"], on_step=True, on_epoch=False)
+            self._log_phase(trainer, pl_module, phase, changed or batch_idx == 0)
         # applied every batch: Lightning's model.train() after validation resets BatchNorm modes
         self._apply(pl_module, phase)
         if self._compiler is not None and self._compiler.pending:
             self._step_started = time.perf_counter()
+
+    def _log_phase(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", phase: Phase, changed: bool
+    ) -> None:
+        """``qat/*`` metrics: the phase flags and (on logging steps) the activation scales.
+
+        ``LightningModule.log`` costs ~0.5-1 ms a call and the loggers see a step's values only every
+        ``log_every_n_steps``: the flags are logged when they change, at each epoch's first batch (Lightning
+        keeps a step metric's last value until the epoch ends) and on the steps the loggers write, so what
+        reaches them is what per-step logging gave; the scales only on those steps.
+        """
+        writes = (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0
+        if changed or writes:
+            for key, value in vars(phase).items():
+                pl_module.log(f"qat/{key}", float(value), on_step=True, on_epoch=False)
+        if writes:
+            # activation scales over training: the report plots their evolution
+            for name in self.targets:
+                for key, q in self.engine.describe_qparams(pl_module.get_submodule(name)).items():
+                    if "weight_fake_quant" not in key:
+                        pl_module.log(f"qat/scale/{name}.{key}", q["scale_mean"], on_step=True, on_epoch=False)
 
     def _run_ptq_baseline(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", states: Optional[dict[str, Any]] = None
