@@ -8,6 +8,8 @@ torch lacks it, constructing :class:`FxEngine` raises a clear
 from __future__ import annotations
 
 import copy
+import weakref
+from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional
 
 import torch
@@ -564,6 +566,9 @@ class FxEngine(QuantEngine):
 
     def __init__(self) -> None:
         self.ao = load_torch_ao()
+        # per prepared module: its fake-quants / observers, conv-bn modules and BatchNorms, found once (the
+        # callback applies a phase at every training batch; walking the module tree cost more than switching)
+        self._parts: weakref.WeakKeyDictionary[nn.Module, _PhaseParts] = weakref.WeakKeyDictionary()
 
     def resolve_spec(self, spec: QuantSpec, errors: list[str]) -> QuantSpec:
         """Build torch.ao objects from the plain-data parts of ``spec`` (qconfig mapping, custom configs,
@@ -825,6 +830,20 @@ class FxEngine(QuantEngine):
             if isinstance(m, (self.ao.FakeQuantizeBase, self.ao.ObserverBase)):
                 yield m
 
+    def _phase_parts(self, module: nn.Module) -> "_PhaseParts":
+        parts = self._parts.get(module)
+        if parts is None:
+            conv_bn = tuple(getattr(self.ao.nniqat, f"ConvBn{r}{d}d") for r in ("", "ReLU") for d in (1, 2, 3))
+            members = list(module.modules())
+            parts = _PhaseParts(
+                fake_quants=tuple(m for m in members if isinstance(m, self.ao.FakeQuantizeBase)),
+                observers=tuple(m for m in members if isinstance(m, self.ao.ObserverBase)),
+                conv_bns=tuple(m for m in members if type(m) in conv_bn),  # what torch.ao's freeze_bn_stats acts on
+                batch_norms=tuple(m for m in members if isinstance(m, nn.modules.batchnorm._BatchNorm)),
+            )
+            self._parts[module] = parts
+        return parts
+
     def set_phase(self, module: nn.Module, phase: Phase) -> None:
         """Switch fake-quant, observers (and LSQ qparam learning) and BatchNorm statistics to ``phase``.
 
@@ -832,22 +851,27 @@ class FxEngine(QuantEngine):
             module: the prepared module.
             phase: the phase to apply; with ``bn_frozen``, unfused BatchNorms are put in eval mode too.
         """
-        for m in self._quant_modules(module):
+        parts = self._phase_parts(module)
+        for m in parts.observers:
             # the fast path's cached scales / zero points go with every phase or observer change: the callback
             # makes one after each buffer broadcast (DDP), which writes them without a version bump
             m.__dict__.pop("_qlightning_cache", None)
-            if isinstance(m, self.ao.FakeQuantizeBase):
-                m.enable_fake_quant(phase.fake_quant)
-                m.enable_observer(phase.observe)
-                if hasattr(m, "learning_enabled"):
-                    # _LearnableFakeQuantize (LSQ): observers estimate scale/zero point until they freeze,
-                    # from then on the optimizer learns them.
-                    m.toggle_qparam_learning(phase.fake_quant and not phase.observe)
-        module.apply(self.ao.nniqat.freeze_bn_stats if phase.bn_frozen else self.ao.nniqat.update_bn_stats)
+        for m in parts.fake_quants:
+            m.__dict__.pop("_qlightning_cache", None)
+            _set_flag(m, "fake_quant_enabled", phase.fake_quant, m.enable_fake_quant)
+            _set_flag(m, "observer_enabled", phase.observe, m.enable_observer)
+            if hasattr(m, "learning_enabled"):
+                # _LearnableFakeQuantize (LSQ): observers estimate scale/zero point until they freeze,
+                # from then on the optimizer learns them.
+                m.toggle_qparam_learning(phase.fake_quant and not phase.observe)
+        for m in parts.conv_bns:
+            if phase.bn_frozen:
+                m.freeze_bn_stats()
+            else:
+                m.update_bn_stats()
         if phase.bn_frozen:  # BatchNorms that were not fused into a conv: eval mode keeps running stats fixed
-            for m in module.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                    m.eval()
+            for m in parts.batch_norms:
+                m.eval()
 
     def set_observers(self, module: nn.Module, enabled: bool) -> None:
         """Turn every fake-quant's observer on or off.
@@ -856,10 +880,12 @@ class FxEngine(QuantEngine):
             module: the prepared module.
             enabled: whether observers update.
         """
-        for m in self._quant_modules(module):
+        parts = self._phase_parts(module)
+        for m in parts.observers:
             m.__dict__.pop("_qlightning_cache", None)  # as in set_phase
-            if isinstance(m, self.ao.FakeQuantizeBase):
-                m.enable_observer(enabled)
+        for m in parts.fake_quants:
+            m.__dict__.pop("_qlightning_cache", None)
+            _set_flag(m, "observer_enabled", enabled, m.enable_observer)
 
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
         """``convert_fx`` of the prepared module, then weights clamped to their fake-quant range, activations
@@ -937,3 +963,22 @@ class FxEngine(QuantEngine):
                     "observer": bool(m.observer_enabled[0]),
                 }
         return summary
+
+
+@dataclass(frozen=True)
+class _PhaseParts:
+    """What a phase switches in one prepared module (:meth:`FxEngine._phase_parts`)."""
+
+    fake_quants: tuple[nn.Module, ...]
+    observers: tuple[nn.Module, ...]
+    conv_bns: tuple[nn.Module, ...]
+    batch_norms: tuple[nn.Module, ...]
+
+
+def _set_flag(fake_quant: nn.Module, flag: str, enabled: bool, setter: Any) -> None:
+    """``setter(enabled)`` unless the flag buffer already holds it: on CPU a read costs a third of torch.ao's
+    indexed write; on an accelerator the read would wait for the device, so the flag is written."""
+    buffer = fake_quant._buffers[flag]
+    if buffer.device.type == "cpu" and bool(buffer.item()) == enabled:
+        return
+    setter(enabled)
