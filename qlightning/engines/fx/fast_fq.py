@@ -332,6 +332,9 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
     it moves onto the weight: ``bn(conv(x, fq(w * s) / s, b))``, the same function (float rounding
     differs, ~1e-7 relative), computed on the small weight tensor.
 
+    With the weight's fake-quant off (the float warm-up) ``fq(w * s) / s`` is ``w``: the conv takes the
+    weight itself (the weight observer, when on, still sees the folded ``w * s``), the float model's cost.
+
     Args:
         input: the conv input.
     """
@@ -340,7 +343,13 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
     shape = [1] * len(self.weight.shape)
     shape[0] = -1
     s = scale_factor.reshape(shape)
-    weight = _DivideKeepingResult.apply(self.weight_fake_quant(self.weight * s), s)
+    fq = self._modules["weight_fake_quant"]
+    if input.device.type == "cpu" and fq._buffers["fake_quant_enabled"].item() != 1:  # on CPU: no device wait
+        if fq._buffers["observer_enabled"].item() == 1:
+            with torch.no_grad():
+                fq(self.weight * s)  # observes (the folded weight, as below); returns its input
+        return self.bn(self._conv_forward(input, self.weight, self.bias))
+    weight = _DivideKeepingResult.apply(fq(self.weight * s), s)
     return self.bn(self._conv_forward(input, weight, self.bias))
 
 
