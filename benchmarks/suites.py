@@ -167,43 +167,75 @@ def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str) -> dict[str,
     return figures
 
 
-def fit_wall_times(epochs: tuple[int, ...] = (3, 30), repeats: int = 3) -> dict[str, Any]:
-    """Wall time of a whole ``Trainer.fit`` of the digits classifier: float, with the callback's defaults, and with
-    ``engine_options.compile=on``; each QAT fit over the float fit of the same length (medians of ``repeats``,
-    variants interleaved). Set-up, validation, conversion and the fidelity check at fit end are all in it."""
+FIT_MODELS = ("digits_cnn", "residual_depthwise")
+
+
+def fit_wall_times(epochs: tuple[int, ...] = (3, 10, 30), repeats: int = 3, models: tuple[str, ...] = FIT_MODELS,
+                   compile_from_epochs: int = 30) -> dict[str, Any]:
+    """Wall time of a whole ``Trainer.fit`` on digits: float, with the callback's defaults, and (for fits of at
+    least ``compile_from_epochs`` epochs) with ``engine_options.compile=on``; each QAT fit over the float fit of
+    the same length (medians of ``repeats``, variants interleaved), on the wall clock and in process CPU time.
+    The Trainer is a user's default one (its default logger, writing to a temporary directory; no progress bar
+    or checkpoints): set-up, logging, validation, conversion and the fidelity check at fit end are all in it.
+
+    Args:
+        epochs: fit lengths (20 optimizer steps an epoch).
+        repeats: fits per variant and length.
+        models: ``digits_cnn`` (the embedded default model) and/or ``residual_depthwise``
+            (:class:`~qlightning.examples.digits.ResidualDepthwiseCNN`, the issue's "small residual depthwise net").
+        compile_from_epochs: the shortest fit that also runs ``compile=on``.
+    """
+    import tempfile
+
     import lightning.pytorch as pl
 
     from qlightning import QuantizationAwareTraining
     from qlightning.examples import DigitsClassifier, DigitsDataModule
+    from qlightning.examples.digits import ClassifierModule, ResidualDepthwiseCNN
 
-    def fit(epochs: int, callback: Optional[Callable[[], Any]]) -> Callable[[], float]:
+    builders = {"digits_cnn": DigitsClassifier, "residual_depthwise": lambda: ClassifierModule(ResidualDepthwiseCNN())}
+
+    def fit(model: str, epochs: int, callback: Optional[Callable[[], Any]]) -> Callable[[], float]:
         def run() -> float:
             pl.seed_everything(0, verbose=False)
-            trainer = pl.Trainer(max_epochs=epochs, callbacks=[callback()] if callback else [], logger=False,
-                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                 accelerator="cpu", devices=1)
-            start = time.perf_counter()
-            with quiet():
-                trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
-            return time.perf_counter() - start
+            with tempfile.TemporaryDirectory() as root:
+                trainer = pl.Trainer(max_epochs=epochs, callbacks=[callback()] if callback else [], default_root_dir=root,
+                                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                     accelerator="cpu", devices=1)
+                start, cpu = time.perf_counter(), time.process_time()
+                with quiet():
+                    trainer.fit(builders[model](), datamodule=DigitsDataModule(seed=0))
+                return time.perf_counter() - start, time.process_time() - cpu
         return run
 
     out: dict[str, Any] = {}
-    for n in epochs:
-        variants = {
-            "float": fit(n, None),
-            "QAT, defaults": fit(n, lambda: QuantizationAwareTraining(modules=["net"])),
-            "QAT, compile=on": fit(n, lambda: QuantizationAwareTraining(modules=["net"], engine_options={"compile": "on"})),
-        }
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        for _ in range(repeats):
-            for name, run in variants.items():
-                times[name].append(run())
-        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-        out[f"{n} epochs"] = {"fit_s": {k: round(v, 2) for k, v in med.items()},
-                              "over_float": {k: round(v / med["float"], 2) for k, v in med.items() if k != "float"},
-                              "all_s": {k: [round(t, 2) for t in v] for k, v in times.items()}}
-        _log(f"fit {n} epochs: {out[f'{n} epochs']['fit_s']}")
+    for model in models:
+        for n in epochs:
+            variants = {
+                "float": fit(model, n, None),
+                "QAT, defaults": fit(model, n, lambda: QuantizationAwareTraining(modules=["net"])),
+            }
+            if n >= compile_from_epochs:
+                variants["QAT, compile=on"] = fit(
+                    model, n, lambda: QuantizationAwareTraining(modules=["net"], engine_options={"compile": "on"}))
+            times: dict[str, list[float]] = {k: [] for k in variants}
+            cpu_times: dict[str, list[float]] = {k: [] for k in variants}
+            for _ in range(repeats):
+                for name, run in variants.items():
+                    wall, cpu = run()
+                    times[name].append(wall)
+                    cpu_times[name].append(cpu)
+            med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+            cpu_med = {k: sorted(v)[len(v) // 2] for k, v in cpu_times.items()}
+            key = f"{model}, {n} epochs"
+            out[key] = {"fit_s": {k: round(v, 2) for k, v in med.items()},
+                        "over_float": {k: round(v / med["float"], 2) for k, v in med.items() if k != "float"},
+                        # process CPU time: on a shared machine the wall clock also counts other tenants' load
+                        "cpu_s": {k: round(v, 2) for k, v in cpu_med.items()},
+                        "cpu_over_float": {k: round(v / cpu_med["float"], 2) for k, v in cpu_med.items() if k != "float"},
+                        "all_s": {k: [round(t, 2) for t in v] for k, v in times.items()}}
+            _log(f"fit {key}: wall {out[key]['fit_s']} -> {out[key]['over_float']}; "
+                 f"CPU {out[key]['cpu_s']} -> {out[key]['cpu_over_float']}")
     return out
 
 
