@@ -825,11 +825,6 @@ class FxEngine(QuantEngine):
         }
         return config
 
-    def _quant_modules(self, module: nn.Module) -> Iterator[nn.Module]:
-        for m in module.modules():
-            if isinstance(m, (self.ao.FakeQuantizeBase, self.ao.ObserverBase)):
-                yield m
-
     def _phase_parts(self, module: nn.Module) -> "_PhaseParts":
         parts = self._parts.get(module)
         if parts is None:

@@ -344,8 +344,10 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
     shape[0] = -1
     s = scale_factor.reshape(shape)
     fq = self._modules["weight_fake_quant"]
-    if input.device.type == "cpu" and fq._buffers["fake_quant_enabled"].item() != 1:  # on CPU: no device wait
-        if fq._buffers["observer_enabled"].item() == 1:
+    enabled = fq._buffers.get("fake_quant_enabled")  # a FakeQuantizeBase's flag (a custom weight module may have none)
+    if enabled is not None and input.device.type == "cpu" and enabled.item() != 1:  # on CPU: no device wait
+        observing = fq._buffers.get("observer_enabled")
+        if observing is None or observing.item() == 1:
             with torch.no_grad():
                 fq(self.weight * s)  # observes (the folded weight, as below); returns its input
         return self.bn(self._conv_forward(input, self.weight, self.bias))
