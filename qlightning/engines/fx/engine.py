@@ -566,7 +566,7 @@ class FxEngine(QuantEngine):
 
     def __init__(self) -> None:
         self.ao = load_torch_ao()
-        # per prepared module: its fake-quants / observers, conv-bn modules and BatchNorms, found once (the
+        # per prepared module: its fake-quants, conv-bn modules and BatchNorms, found once (the
         # callback applies a phase at every training batch; walking the module tree cost more than switching)
         self._parts: weakref.WeakKeyDictionary[nn.Module, _PhaseParts] = weakref.WeakKeyDictionary()
 
@@ -832,7 +832,6 @@ class FxEngine(QuantEngine):
             members = list(module.modules())
             parts = _PhaseParts(
                 fake_quants=tuple(m for m in members if isinstance(m, self.ao.FakeQuantizeBase)),
-                observers=tuple(m for m in members if isinstance(m, self.ao.ObserverBase)),
                 conv_bns=tuple(m for m in members if type(m) in conv_bn),  # what torch.ao's freeze_bn_stats acts on
                 batch_norms=tuple(m for m in members if isinstance(m, nn.modules.batchnorm._BatchNorm)),
             )
@@ -847,11 +846,9 @@ class FxEngine(QuantEngine):
             phase: the phase to apply; with ``bn_frozen``, unfused BatchNorms are put in eval mode too.
         """
         parts = self._phase_parts(module)
-        for m in parts.observers:
+        for m in parts.fake_quants:
             # the fast path's cached scales / zero points go with every phase or observer change: the callback
             # makes one after each buffer broadcast (DDP), which writes them without a version bump
-            m.__dict__.pop("_qlightning_cache", None)
-        for m in parts.fake_quants:
             m.__dict__.pop("_qlightning_cache", None)
             _set_flag(m, "fake_quant_enabled", phase.fake_quant, m.enable_fake_quant)
             _set_flag(m, "observer_enabled", phase.observe, m.enable_observer)
@@ -875,11 +872,8 @@ class FxEngine(QuantEngine):
             module: the prepared module.
             enabled: whether observers update.
         """
-        parts = self._phase_parts(module)
-        for m in parts.observers:
+        for m in self._phase_parts(module).fake_quants:
             m.__dict__.pop("_qlightning_cache", None)  # as in set_phase
-        for m in parts.fake_quants:
-            m.__dict__.pop("_qlightning_cache", None)
             _set_flag(m, "observer_enabled", enabled, m.enable_observer)
 
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
@@ -965,7 +959,6 @@ class _PhaseParts:
     """What a phase switches in one prepared module (:meth:`FxEngine._phase_parts`)."""
 
     fake_quants: tuple[nn.Module, ...]
-    observers: tuple[nn.Module, ...]
     conv_bns: tuple[nn.Module, ...]
     batch_norms: tuple[nn.Module, ...]
 
