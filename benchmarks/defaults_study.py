@@ -127,29 +127,29 @@ class Nudge(pl.Callback):
 
 @contextlib.contextmanager
 def linear_weights_current(on: bool) -> Iterator[None]:
-    """While ``on``, the FX engine leaves Linear weights on their current range (other plain weights averaged)."""
+    """While ``on``, the FX engine's scoping (``average_ranges_outside_conv_bn``) runs as shipped, then every Linear
+    weight fake-quant gets back the averaging constant it had before (the current range)."""
     if not on:
         yield
         return
-    from qlightning.engines.fx import engine, weights
+    from qlightning.engines.fx import engine
 
-    original = engine.average_ranges_outside_conv_bn
+    shipped = engine.average_ranges_outside_conv_bn
 
-    def averaging_all_but_linear(module: nn.Module) -> int:
-        count = 0
-        for m in module.modules():
-            fq = getattr(m, "weight_fake_quant", None)
-            if (isinstance(fq, weights.ZeroCenteredFusedFakeQuantize) and not isinstance(m, weights._CONV_BN)
-                    and not isinstance(m, nn.Linear)):
-                fq.activation_post_process.averaging_constant = weights.TORCH_AO_WEIGHT_AVERAGING
-                count += 1
+    def sparing_linear_weights(module: nn.Module) -> int:
+        linear = [m.weight_fake_quant.activation_post_process for m in module.modules()
+                  if isinstance(m, nn.Linear) and hasattr(m, "weight_fake_quant")]
+        before = [obs.averaging_constant for obs in linear]
+        count = shipped(module)
+        for obs, constant in zip(linear, before):
+            obs.averaging_constant = constant
         return count
 
-    engine.average_ranges_outside_conv_bn = averaging_all_but_linear
+    engine.average_ranges_outside_conv_bn = sparing_linear_weights
     try:
         yield
     finally:
-        engine.average_ranges_outside_conv_bn = original
+        engine.average_ranges_outside_conv_bn = shipped
 
 
 def milestones(name: str, total_steps: int) -> dict[str, Any]:
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="smoke test: 2 epochs, 3 archs, adam, 1 seed, own results file")
     p.add_argument("--stage", choices=["prune", "full", "slices", "long", "sgd_low"], default="prune")
     p.add_argument("--candidates", default="base,o25_90",
-                   help=f"comma-separated names from {list(CANDIDATES)}")
+                   help=f"comma-separated names from {[*CANDIDATES, FLOAT_NUDGED]}")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--seeds", default="", help="comma-separated seeds (default: prune 0, full 0,1,2, slices 0,1)")
     p.add_argument("--archs", default=",".join(ARCH_NAMES), help=f"comma-separated subset of {ARCH_NAMES}")
