@@ -124,10 +124,18 @@ def _fused(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor, observe: torch.
     )
 
 
-def _observe(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor) -> None:
+def _observe(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor, relu: bool = False) -> None:
+    """Move the running min/max by ``x`` (``relu(x)``) exactly as the fused op does, in fewer passes."""
     if not self.is_per_channel:
-        _fused(self, x, _ON, _OFF)  # min/max moving average only (fake_quant off: no qparams, no copy)
+        # The op's own moving average, fed (min, max) as a 2-element tensor: its aminmax of that is
+        # x's, and with fake-quant off it returns a copy of its input and a ones mask (two full-size
+        # passes thrown away here). ReLU is monotone: relu(x)'s min/max are relu of x's, so relu(x)
+        # itself is never built.
+        lohi = torch.stack(torch.aminmax(x))
+        _fused(self, torch.relu(lohi) if relu else lohi, _ON, _OFF)
         return
+    if relu:
+        x = torch.relu(x)
     obs = self._modules["activation_post_process"]
     min_val, max_val = obs._buffers["min_val"], obs._buffers["max_val"]
     axis = self.ch_axis
@@ -213,7 +221,7 @@ def _observe_then_qparams(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor, 
     buffers = self._buffers
     if buffers["observer_enabled"].item() == 1:
         with torch.no_grad():
-            _observe(self, torch.relu(X.detach()) if relu else X.detach())
+            _observe(self, X.detach(), relu)
             if centres_on_zero(self):
                 straddle_zero_(self._modules["activation_post_process"])  # as ZeroCenteredWeightRange.forward
         self.__dict__.pop("_qlightning_cache", None)  # the op writes min/max in place without a version bump
@@ -238,8 +246,9 @@ class _ReluFakeQuant(torch.autograd.Function):
         r = torch.relu(x)
         q, out = _round_and_clamp(r, scale, lo, hi)
         if ctx.needs_input_grad[0]:
-            # |q - clamp(q)| + 1 - sign(r): 0 exactly where in range and x > 0, >= 1 elsewhere
-            drop = q.sub_(out).abs_().sub_(r.sign_()).add_(1.0)
+            # q - clamp(q) + 1 - sign(r): 0 exactly where in range and x > 0, >= 1 elsewhere (q >= 0 >= lo,
+            # zero points lie in [qmin, qmax]: only the upper bound clips, so q - clamp(q) >= 0)
+            drop = q.sub_(out).sub_(r.sign_()).add_(1.0)
             ctx.save_for_backward(_pack_inverted(drop.to(torch.bool)))
         return out.mul_(scale)
 
