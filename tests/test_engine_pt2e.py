@@ -200,6 +200,22 @@ def test_phases_observers_and_batch_norm_freeze(engine):
     assert engine.describe_qparams(prepared)
 
 
+def test_a_graph_rewritten_outside_the_engine_is_switched_again(engine):
+    """Phase switches skip graphs whose modes are already set (they run at every training batch); a graph
+    recompiled since (torchao's rewrites, a user's pass) is walked again, never left in the wrong mode."""
+    torch.manual_seed(0)
+    prepared = engine.prepare(DigitsCNN(), Inputs((torch.rand(4, 1, 8, 8),)), QuantSpec(backend="x86"))
+    engine.set_phase(prepared, QAT)
+    assert _batch_norm_training_flags(prepared) == [True] * 3
+    node = next(n for n in prepared.graph.nodes if n.target == torch.ops.aten.batch_norm.default)
+    node.update_arg(5, False)  # an outside rewrite, as torchao's move_exported_model_to_eval makes
+    prepared.recompile()
+    engine.set_phase(prepared, QAT)
+    assert _batch_norm_training_flags(prepared) == [True] * 3
+    prepared.train()
+    assert _batch_norm_training_flags(prepared) == [True] * 3
+
+
 def test_convert_matches_fake_quant(engine):
     torch.manual_seed(0)
     prepared = engine.prepare(DigitsCNN(), Inputs((torch.rand(8, 1, 8, 8),)), QuantSpec(backend="x86"))

@@ -290,6 +290,22 @@ def check_batch_norm_gammas(module: nn.Module) -> None:
         )
 
 
+def set_flag(fake_quant: nn.Module, flag: str, enabled: bool, setter: Any) -> None:
+    """``setter(enabled)`` unless the flag buffer already holds it: on CPU a read costs a third of torch.ao's
+    indexed write; on an accelerator the read would wait for the device, so the flag is written.
+
+    Args:
+        fake_quant: a fake-quant module with the flag buffer.
+        flag: the buffer's name (``fake_quant_enabled``, ``observer_enabled``).
+        enabled: the wanted value.
+        setter: the module's own switch (``enable_fake_quant``, ``enable_observer``), which writes it.
+    """
+    buffer = fake_quant._buffers.get(flag)  # (a custom fake-quant class may keep its flag elsewhere)
+    if buffer is not None and buffer.device.type == "cpu" and bool(buffer.item()) == enabled:
+        return
+    setter(enabled)
+
+
 def is_fused_fake_quant(m: nn.Module) -> bool:
     """torch.ao's or torchao's ``FusedMovingAvgObsFakeQuantize`` (or a subclass such as the default
     weight fake-quants, :class:`ZeroCenteredWeightRange`): the modules ``torch.fused_moving_avg_obs_fake_quant`` runs.

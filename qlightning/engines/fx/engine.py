@@ -17,7 +17,7 @@ from torch import nn
 
 from qlightning.core.inputs import Inputs, capture_inputs, positional_args
 from qlightning.core.schedule import Phase
-from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, is_fused_fake_quant, check_batch_norm_gammas, quantized_engine, settle_fake_quant_state, trained_qparams
+from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, is_fused_fake_quant, check_batch_norm_gammas, quantized_engine, set_flag, settle_fake_quant_state, trained_qparams
 from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao
 from qlightning.engines.fx.prepare import faster_prepare
 from qlightning.engines.fx.weights import average_ranges_outside_conv_bn, default_qat_qconfig_mapping
@@ -850,8 +850,8 @@ class FxEngine(QuantEngine):
             # the fast path's cached scales / zero points go with every phase or observer change: the callback
             # makes one after each buffer broadcast (DDP), which writes them without a version bump
             m.__dict__.pop("_qlightning_cache", None)
-            _set_flag(m, "fake_quant_enabled", phase.fake_quant, m.enable_fake_quant)
-            _set_flag(m, "observer_enabled", phase.observe, m.enable_observer)
+            set_flag(m, "fake_quant_enabled", phase.fake_quant, m.enable_fake_quant)
+            set_flag(m, "observer_enabled", phase.observe, m.enable_observer)
             if hasattr(m, "learning_enabled"):
                 # _LearnableFakeQuantize (LSQ): observers estimate scale/zero point until they freeze,
                 # from then on the optimizer learns them.
@@ -874,7 +874,7 @@ class FxEngine(QuantEngine):
         """
         for m in self._phase_parts(module).fake_quants:
             m.__dict__.pop("_qlightning_cache", None)  # as in set_phase
-            _set_flag(m, "observer_enabled", enabled, m.enable_observer)
+            set_flag(m, "observer_enabled", enabled, m.enable_observer)
 
     def convert(self, module: nn.Module, spec: QuantSpec) -> nn.Module:
         """``convert_fx`` of the prepared module, then weights clamped to their fake-quant range, activations
@@ -961,12 +961,3 @@ class _PhaseParts:
     fake_quants: tuple[nn.Module, ...]
     conv_bns: tuple[nn.Module, ...]
     batch_norms: tuple[nn.Module, ...]
-
-
-def _set_flag(fake_quant: nn.Module, flag: str, enabled: bool, setter: Any) -> None:
-    """``setter(enabled)`` unless the flag buffer already holds it: on CPU a read costs a third of torch.ao's
-    indexed write; on an accelerator the read would wait for the device, so the flag is written."""
-    buffer = fake_quant._buffers[flag]
-    if buffer.device.type == "cpu" and bool(buffer.item()) == enabled:
-        return
-    setter(enabled)
