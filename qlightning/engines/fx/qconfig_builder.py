@@ -21,7 +21,9 @@ Formats (YAML)::
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import importlib
 import importlib.resources
 import re
@@ -69,7 +71,13 @@ def load_presets() -> dict[str, dict]:
 
     They are preset data, not a Hydra config group (a group would be listed by ``qlightning train --help``
     without being selectable): a config or Python names them in a plain-data ``qconfig_mapping``. Read as package data of :mod:`qlightning.config` (no code of it is imported).
+    Parsed once per process (~60 ms of YAML, which every callback and engine spec paid); each call gets its own copy.
     """
+    return copy.deepcopy(_parsed_presets())
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed_presets() -> dict[str, dict]:
     presets = {}
     for item in importlib.resources.files("qlightning.config").joinpath("qconfig_presets").iterdir():
         if item.name.endswith(".yaml"):
