@@ -17,7 +17,10 @@ from torch import nn
 
 from qlightning.core.inputs import Inputs, capture_inputs, positional_args
 from qlightning.core.schedule import Phase
-from qlightning.engines.base import QuantEngine, QuantSpec, _fused_op_qparams, is_fused_fake_quant, check_batch_norm_gammas, quantized_engine, set_flag, settle_fake_quant_state, trained_qparams
+from qlightning.engines.base import (
+    QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, is_fused_fake_quant, quantized_engine,
+    register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
+)
 from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao
 from qlightning.engines.fx.prepare import faster_prepare
 from qlightning.engines.fx.weights import average_ranges_outside_conv_bn, default_qat_qconfig_mapping
@@ -566,6 +569,7 @@ class FxEngine(QuantEngine):
 
     def __init__(self) -> None:
         self.ao = load_torch_ao()
+        register_plain_flag_setters(self.ao.FakeQuantizeBase.enable_observer, self.ao.FakeQuantizeBase.enable_fake_quant)
         # per prepared module: its fake-quants, conv-bn modules and BatchNorms, found once (the
         # callback applies a phase at every training batch; walking the module tree cost more than switching)
         self._parts: weakref.WeakKeyDictionary[nn.Module, _PhaseParts] = weakref.WeakKeyDictionary()
@@ -832,6 +836,7 @@ class FxEngine(QuantEngine):
             members = list(module.modules())
             parts = _PhaseParts(
                 fake_quants=tuple(m for m in members if isinstance(m, self.ao.FakeQuantizeBase)),
+                learnable=tuple(m for m in members if isinstance(m, self.ao.FakeQuantizeBase) and hasattr(m, "learning_enabled")),
                 conv_bns=tuple(m for m in members if type(m) in conv_bn),  # what torch.ao's freeze_bn_stats acts on
                 batch_norms=tuple(m for m in members if isinstance(m, nn.modules.batchnorm._BatchNorm)),
             )
@@ -852,11 +857,13 @@ class FxEngine(QuantEngine):
             m.__dict__.pop("_qlightning_cache", None)
             set_flag(m, "fake_quant_enabled", phase.fake_quant, m.enable_fake_quant)
             set_flag(m, "observer_enabled", phase.observe, m.enable_observer)
-            if hasattr(m, "learning_enabled"):
-                # _LearnableFakeQuantize (LSQ): observers estimate scale/zero point until they freeze,
-                # from then on the optimizer learns them.
-                m.toggle_qparam_learning(phase.fake_quant and not phase.observe)
+        for m in parts.learnable:
+            # _LearnableFakeQuantize (LSQ): observers estimate scale/zero point until they freeze,
+            # from then on the optimizer learns them.
+            m.toggle_qparam_learning(phase.fake_quant and not phase.observe)
         for m in parts.conv_bns:
+            if m.freeze_bn == phase.bn_frozen and m._modules["bn"].training != phase.bn_frozen:
+                continue  # already so (the switches below cost two nn.Module.__setattr__ each)
             if phase.bn_frozen:
                 m.freeze_bn_stats()
             else:
@@ -959,5 +966,6 @@ class _PhaseParts:
     """What a phase switches in one prepared module (:meth:`FxEngine._phase_parts`)."""
 
     fake_quants: tuple[nn.Module, ...]
+    learnable: tuple[nn.Module, ...]  # fake-quants that learn their scale / zero point (LSQ)
     conv_bns: tuple[nn.Module, ...]
     batch_norms: tuple[nn.Module, ...]

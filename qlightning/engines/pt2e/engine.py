@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from qlightning.engines.base import (
-    Inputs, QuantEngine, QuantSpec, ZeroCenteredWeightRange, check_batch_norm_gammas, current_range_weight_ctr, set_flag, settle_fake_quant_state,
-    trained_qparams,
+    Inputs, QuantEngine, QuantSpec, ZeroCenteredWeightRange, check_batch_norm_gammas, current_range_weight_ctr,
+    register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
 )
 from qlightning.engines.names import plain, resolve_reference
 from qlightning.core.quiet import quiet
@@ -721,6 +721,8 @@ class Pt2eEngine(QuantEngine):
 
     def __init__(self) -> None:
         self.ao = load_torchao()
+        for base in self.ao.fake_quant_types:
+            register_plain_flag_setters(base.enable_observer, base.enable_fake_quant)
         self._parts: weakref.WeakKeyDictionary[nn.Module, _PhaseParts] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ spec
