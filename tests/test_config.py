@@ -115,6 +115,18 @@ def test_presets_keep_x86_int8_sums_from_overflowing():
                      " weight: {dtype: qint8, qscheme: per_tensor_symmetric, quant_min: -128, quant_max: 127}}}")
 
 
+def test_each_caller_gets_its_own_copy_of_the_parsed_presets():
+    """The shipped presets are parsed once per process: a caller that edits what it got changes nobody else's."""
+    from qlightning.engines.fx.qconfig_builder import load_presets
+
+    first = load_presets()
+    name = next(iter(first))
+    first[name]["global"] = "edited"
+    first["added"] = {}
+    second = load_presets()
+    assert "added" not in second and second[name].get("global") != "edited"
+
+
 def test_learnable_preset_makes_scales_parameters():
     _, net = prepared_net("quant.qconfig_mapping=learnable")
     scales = [n for n, _ in net.named_parameters() if n.endswith(".scale")]

@@ -282,3 +282,22 @@ def test_linear_recomputes_its_weight_fake_quant_with_the_same_numbers():
     ref.train(), fast.train()
     weights = sum(m.weight.numel() * 4 for m in (fast.up, fast.down))
     assert _saved_bytes(ref, x) - _saved_bytes(fast, x) >= 0.9 * weights
+
+def test_phase_flags_go_through_a_fake_quants_own_setter_when_it_overrides_the_stock_one():
+    """The engines write a stock flag setter's buffer directly (fill_); a class that overrides the setter (LSQ turns
+    its static estimation with it) has its own method called, and both end with the flag the phase asks for."""
+    from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
+
+    calls = []
+
+    class Counting(FusedMovingAvgObsFakeQuantize):
+        def enable_observer(self, enabled: bool = True) -> None:
+            calls.append(enabled)
+            super().enable_observer(enabled)
+
+    engine = get_engine("fx")
+    model = nn.Sequential(FusedMovingAvgObsFakeQuantize(), Counting())
+    for observe in (False, True, False):
+        engine.set_phase(model, Phase(fake_quant=True, observe=observe, bn_frozen=False))
+        assert [int(m.observer_enabled[0]) for m in model] == [int(observe)] * 2
+    assert calls == [False, True, False]

@@ -201,6 +201,7 @@ class _PhaseParts:
     """What a phase switches in one prepared module (:meth:`Pt2eEngine._phase_parts`)."""
 
     quant_modules: tuple[tuple[str, nn.Module], ...]  # top-level fake-quants and plain observers, by name
+    learnable: frozenset[int]  # ids of those that learn their scale / zero point (LearnableFakeQuantize)
     graphs: tuple[torch.fx.GraphModule, ...]  # the exported graphs whose dropout / BatchNorm nodes switch
 
 
@@ -991,7 +992,8 @@ class Pt2eEngine(QuantEngine):
                 if not any(".".join(names[:i]) in outer for i in range(1, len(names))):
                     outer[name] = m
             graphs = tuple(m for m in module.modules() if isinstance(m, _ExportedTrainEval))
-            parts = self._parts[module] = _PhaseParts(tuple(outer.items()), graphs)  # type: ignore[arg-type]
+            learnable = frozenset(id(m) for m in outer.values() if hasattr(m, "learning_enabled"))
+            parts = self._parts[module] = _PhaseParts(tuple(outer.items()), learnable, graphs)  # type: ignore[arg-type]
         return parts
 
     def _quant_modules(self, module: nn.Module) -> tuple[tuple[str, nn.Module], ...]:
@@ -1005,18 +1007,19 @@ class Pt2eEngine(QuantEngine):
             module: the prepared module.
             phase: the phase to apply.
         """
-        for _, m in self._quant_modules(module):
+        parts = self._phase_parts(module)
+        for _, m in parts.quant_modules:
             if isinstance(m, self.ao.fake_quant_types):
                 set_flag(m, "fake_quant_enabled", phase.fake_quant, m.enable_fake_quant)
                 set_flag(m, "observer_enabled", phase.observe, m.enable_observer)
-                if hasattr(m, "learning_enabled"):  # LearnableFakeQuantize: learn qparams once observers freeze
+                if id(m) in parts.learnable:  # LearnableFakeQuantize: learn qparams once observers freeze
                     if phase.fake_quant and not phase.observe:
                         m.enable_range_learning()
                     else:
                         m.disable_range_learning()
             else:
                 _set_plain_observer(m, phase.observe)
-        for gm in self._phase_parts(module).graphs:
+        for gm in parts.graphs:
             _graph_state(gm)["bn_frozen"] = phase.bn_frozen
             _rewrite_modes(gm, gm.training)
 
