@@ -348,6 +348,25 @@ def test_inductor_candidate_is_faithful(trained_digits):
         assert isinstance(module, InductorModule)
 
 
+@pytest.mark.slow
+def test_inductor_module_compiles_once_for_a_shape_whether_or_not_under_inference_mode(trained_digits):
+    """Lightning validates and tests under ``torch.inference_mode``; the lowering times the module under
+    ``no_grad``. Dynamo guards on each input's dispatch keys, which the mode changes: the same batch shape
+    compiled again for each mix (MiniLM's encoder: six inductor compiles in one recipe run)."""
+    from torch._dynamo.utils import counters
+
+    fake_quant, int8, x, _ = trained_digits
+    module = BUILDERS["inductor"](_context(fake_quant, int8, x[:32]))
+    before = counters["stats"]["unique_graphs"]
+    outs = []
+    for mode in (torch.no_grad, torch.inference_mode, torch.inference_mode, torch.no_grad):
+        with mode():
+            batch = x[:32].clone()  # under inference_mode: an inference tensor, as Lightning's batches are
+            outs.append(module(batch))
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert all(torch.equal(out, outs[0]) for out in outs)
+
+
 def test_keyword_inputs_bind_to_positions_through_a_lowering_wrapper():
     """The report and parity gate call every runtime with positional inputs; a submodule called with
     keywords (``encoder(input_ids=..., attention_mask=...)``) must bind through the wrapper to the

@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from qlightning.core.inputs import Inputs, attach_source, first_tensor, source_of  # noqa: F401  source_of: re-exported
 from qlightning.core.metrics import median_ms, sqnr_db, top1_agreement
@@ -114,12 +115,22 @@ class OnnxRuntimeModule(nn.Module):
         return state
 
 
+def _outside_inference_mode(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a normal copy of it if it was made under ``torch.inference_mode``."""
+    if not tensor.is_inference():
+        return tensor
+    with torch.inference_mode(False):
+        return tensor.clone()
+
+
 class InductorModule(nn.Module):
     """A q/dq graph compiled by inductor with ``freezing`` (int8 conv / linear via oneDNN).
 
     Args:
         graph: the q/dq module to compile (an exported program's module, exported in eval mode).
-        dynamic: passed to ``torch.compile(dynamic=...)``; compiling happens on the first call.
+        dynamic: passed to ``torch.compile(dynamic=...)``; compiling happens on the first call, and again for
+            each new input shape. (Not ``None``: with ``freezing`` on, the dynamic-shape recompile of a
+            quantized conv net fails a stride assertion in inductor's generated code, torch 2.13.)
     """
 
     def __init__(self, graph: nn.Module, dynamic: bool = False) -> None:
@@ -139,7 +150,11 @@ class InductorModule(nn.Module):
 
         if self._compiled is None:
             self._compiled = torch.compile(self.graph, dynamic=self.dynamic)
-        with inductor_config.patch(freezing=True), torch.no_grad():
+        # dynamo guards on each input's dispatch keys, which inference_mode changes (its tensors lack the
+        # autograd keys, and the mode hides them on the others): Lightning validates and tests under it, and
+        # every mix of the two compiled the graph again (six compiles of MiniLM's encoder in one run)
+        args, kwargs = tree_map_only(torch.Tensor, _outside_inference_mode, (args, kwargs))
+        with torch.inference_mode(False), inductor_config.patch(freezing=True), torch.no_grad():
             return self._compiled(*args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
