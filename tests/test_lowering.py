@@ -316,6 +316,41 @@ def test_onnxruntime_module_survives_copy_and_pickle(trained_digits):
     assert "onnx_model" in module.state_dict() and module.state_dict()["onnx_model"].dtype == torch.uint8
 
 
+def test_onnxruntime_runs_the_convolutions_of_a_reduce_range_model_as_int8_kernels(trained_digits, tmp_path):
+    """x86 trains activations in 0..127 (reduce_range) and ONNX QuantizeLinear cannot say so: the export clamps
+    explicitly. A clamp between a conv and its quantize kept onnxruntime from fusing DequantizeLinear -> Conv
+    -> QuantizeLinear into QLinearConv, so every conv ran in float (digits CNN: 2x slower than fused)."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import onnx
+
+    fake_quant, int8, x, _ = trained_digits
+    module = BUILDERS["onnxruntime"](_context(fake_quant, int8, x))
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(module.onnx_model.numpy().tobytes(), options, providers=["CPUExecutionProvider"])
+    ops = [node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node]
+    convs = sum(isinstance(m, nn.Conv2d) for m in DigitsCNN().modules())
+    assert ops.count("QLinearConv") == convs, ops
+    assert not {"Conv", "FusedConv"} & set(ops), ops
+    with torch.no_grad():
+        assert sqnr_db(int8(x), module(x)) >= 35.0  # still the int8 model's numbers, clamps included
+
+
+def test_the_artifact_manifest_gives_each_activation_once_with_the_range_it_trained_to(trained_digits):
+    """The manifest's qparams (``qparams_summary``) read through the explicit clamps: one entry per
+    activation, named after the layer producing it, with x86's reduce_range 0..127 (it listed each twice,
+    after anonymous ``clamp`` nodes, as 0..255)."""
+    from qlightning.quantize.qdq import qparams_summary
+
+    fake_quant, int8, x, _ = trained_digits
+    activations = qparams_summary(_context(fake_quant, int8, x).qdq_program().program)["activations"]
+    after = [a["after"] for a in activations]
+    assert len(after) == len(set(after)) and not any(name.startswith("clamp") for name in after), after
+    assert "features.0.0" in after and "classifier" in after, after
+    assert {(a["quant_min"], a["quant_max"]) for a in activations} == {(0, 127)}, activations
+
+
 def _context(fake_quant, int8, x):
     from qlightning.quantize.lowering import LoweringContext
 
