@@ -336,7 +336,7 @@ def choose_lowering(
             many dB of the ``fallback`` candidate's and its top-1 agreement within 1 point of it: it is
             then as faithful as the module the engine gives anyway (whose own gap to the fake-quant model
             is the parity gate's business, :mod:`qlightning.run.parity`). ``None``: thresholds only.
-        repeats / warmup: timing; medians of interleaved calls.
+        repeats / warmup: timing; medians of calls in blocks, the candidates' blocks taken in turn (:func:`median_ms`).
         threads: torch (and onnxruntime) intra-op threads while building and timing (``None``: unchanged).
         fallback: the candidate kept when none is eligible (normally ``fx``, what the engine gave).
         builders: extra or replacement candidate builders, ``name -> callable(LoweringContext) -> module``.

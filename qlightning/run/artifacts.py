@@ -292,7 +292,7 @@ def export_and_check(
                             usable[variant] = fn
                         except Exception as exc:
                             warnings.warn(f"qlightning report: latency of {name}:{variant} failed: {exc}", stacklevel=2)
-                    # one interleaved measurement of every variant: load changes hit them alike
+                    # one measurement of every variant, blocks taken in turn: load changes hit them alike
                     timed = median_ms({k: (lambda fn=fn, args=args: fn(*args)) for k, fn in usable.items()}, repeats)
                     for variant, ms in timed.items():
                         latency[name][variant][str(batch)] = round(ms, 4)
@@ -304,7 +304,7 @@ def export_and_check(
             "threads": int(threads),
             "repeats": repeats,
             "ms": latency,
-            "note": "median wall time of one forward, every model's calls interleaved in one measurement; "
+            "note": "median wall time of one forward, every model's calls in blocks taken in turn in one measurement; "
                     "ONNX runs in onnxruntime (CPU provider)",
         }
         # the headline (report.md's first table, the console table) shows these same numbers

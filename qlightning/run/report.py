@@ -181,7 +181,7 @@ def build_report(
     """Test metrics of every variant, sizes and the variants' labels.
 
     Latency is not measured here: :func:`qlightning.run.artifacts.export_and_check` measures every
-    model once, calls interleaved, and fills ``latency_ms`` (the headline) from that measurement.
+    model once (blocks of calls taken in turn), and fills ``latency_ms`` (the headline) from that measurement.
     ``batch_size``, ``repeats`` and ``threads`` are recorded as the settings of that measurement.
 
     Args:
@@ -254,7 +254,7 @@ def headline(report: dict[str, Any]) -> str:
         speed = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
         parts.append(
             f"{speed} at batch {report['latency_batch_size']}, "
-            f"{report['latency_threads']} thread(s) (medians of one interleaved measurement, the same numbers as "
+            f"{report['latency_threads']} thread(s) (medians of one measurement, the same numbers as "
             "the latency table below)"
         )
     if not parts:
@@ -538,8 +538,8 @@ def markdown_sections(report: dict[str, Any]) -> str:
             "",
             "## Size on disk and latency",
             "",
-            f"Median of {latency.get('repeats')} runs, {latency.get('threads')} thread(s), every model's calls "
-            "interleaved in one measurement (the first table's latency column is this table's last column).",
+            f"Median of {latency.get('repeats')} runs, {latency.get('threads')} thread(s), every model's calls in "
+            "blocks taken in turn in one measurement (the first table's latency column is this table's last column).",
             "",
             "| module | model | size (KiB) | " + " | ".join(f"ms, batch {b}" for b in batches) + " |",
             "|---|---|---|" + "---|" * len(batches),
