@@ -425,11 +425,16 @@ def qparams_summary(program: Any) -> dict[str, Any]:
         if not (isinstance(dq, torch.fx.Node) and dq.target in ops["dq_tensor"] and isinstance(dq.args[0], torch.fx.Node)
                 and dq.args[0].target in ops["q_tensor"]):
             return None
+        first = dq.args[0]
         scale, zp = value(node.args[1]), value(node.args[2])
         lo, hi = clamp.args[1:3]
         if not all(isinstance(v, (int, float)) for v in (scale, zp, lo, hi)):
             return None
-        return dq.args[0], round(lo / scale) + int(zp), round(hi / scale) + int(zp)
+        # only the chain itself: one tensor on one grid, nothing else reading its first half
+        same = all(value(n.args[i]) == v for n in (first, dq) for i, v in ((1, scale), (2, zp)))
+        if not same or len(first.users) != 1 or len(dq.users) != 1 or len(clamp.users) != 1:
+            return None
+        return first, round(lo / scale) + int(zp), round(hi / scale) + int(zp)
 
     chains = {n: narrowed(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in ops["q_tensor"]}
     widened = {chain[0] for chain in chains.values() if chain}
