@@ -170,6 +170,21 @@ def _latest_run(folder: Path, like: str = "") -> str:
     return str(runs()[-1].relative_to(folder))
 
 
+def _run_earlier_steps_of_the_block(block: Block, command: str, folder: Path) -> None:
+    """Run the earlier commands of ``block`` that this folder has not seen (e.g. the ``recipes cp``
+    a ``recipes validate my_recipe.yaml`` reads): a README reader runs a block top to bottom, but test
+    workers split it (``pytest -n 2``), each with its own folder. Training steps are left to
+    :func:`_latest_run`, which makes the run a command needs."""
+    done = folder / ".steps-done"
+    seen = set(done.read_text().splitlines()) if done.exists() else set()
+    steps = [c for b, c in STEPS if b is block]
+    for earlier in steps[: steps.index(command)]:
+        if earlier not in seen and re.search(r"(^|\s)qlightning train(\s|$)", earlier) is None:
+            _run(earlier, folder, f"README line {block.line}: {earlier} (an earlier step of the block)")
+            seen.add(earlier)
+    done.write_text("\n".join(sorted(seen | {command})))
+
+
 def _run(command: list[str] | str, folder: Path, label: str) -> str:
     out = subprocess.run(command, cwd=folder, env=_env(), capture_output=True, text=True, timeout=1200,
                          shell=isinstance(command, str), executable="/bin/bash" if isinstance(command, str) else None)
@@ -188,6 +203,7 @@ def test_readme_command_runs_as_written(block: Block, command: str, folder: Path
             _latest_run(folder)
         _run([sys.executable, "-c", command], folder, f"README line {block.line} (python)")
         return
+    _run_earlier_steps_of_the_block(block, command, folder)
     if "<date>/<time>" in command:
         like = command if command.startswith("qlightning train") else ""
         command = command.replace("outputs/<date>/<time>", _latest_run(folder, like))
