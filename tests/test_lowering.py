@@ -8,13 +8,17 @@ fallback is kept when nothing else qualifies, and that the real runtimes reprodu
 from __future__ import annotations
 
 import copy
+import itertools
 import pickle
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from qlightning import Inputs, Phase, QuantSpec, get_engine
+from qlightning.core.inputs import rebatch
 from qlightning.examples.digits import DigitsCNN, DigitsDataModule
 from qlightning.quantize.lowering import (
     BUILDERS,
@@ -442,3 +446,21 @@ def test_keyword_inputs_bind_to_positions_through_a_lowering_wrapper():
     assert len(bound) == 2 and bound[0] is ids and bound[1] is mask
     with pytest.raises(TypeError, match="cannot bind keyword inputs"):
         positional_args(Wrapper(), Inputs((), {"input_ids": ids}))
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6), rows=st.integers(1, 32), limit=st.integers(1, 5))
+def test_held_batches_regroup_into_calls_of_the_timed_shape(sizes, rows, limit):
+    """The rows of held batches, in order, as calls of exactly ``rows`` rows (one shape for compiled runtimes)."""
+    start = list(itertools.accumulate([0, *sizes]))
+    batches = [Inputs((torch.arange(a, b).float().unsqueeze(1), 2.0), {"mask": torch.ones(b - a, 3)})
+               for a, b in zip(start, start[1:])]
+    batches.append(Inputs((torch.zeros(4, 2), 2.0), {"mask": torch.ones(4, 3)}))  # another feature size: left out
+    calls = rebatch(batches, rows, limit=limit)
+    total = start[-1]
+    assert len(calls) == (1 if total < rows else min(total // rows, limit))
+    for k, call in enumerate(calls):
+        x, scale = call.args
+        assert x.shape == (rows, 1) and call.kwargs["mask"].shape == (rows, 3) and scale == 2.0
+        expected = torch.arange(k * rows, (k + 1) * rows) % total if total < rows else torch.arange(k * rows, (k + 1) * rows)
+        assert torch.equal(x.squeeze(1), expected.float())

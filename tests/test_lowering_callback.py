@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from qlightning import QuantizationAwareTraining
+from qlightning.core.metrics import sqnr_db, top1_agreement
+from qlightning.core.session import PARITY_CALLS
 from qlightning.errors import ConfigError
 from qlightning.examples import DigitsClassifier, DigitsDataModule
 from qlightning.quantize.lowering import source_of
@@ -40,6 +42,19 @@ def test_lowering_auto_keeps_a_faithful_runtime_and_records_it():
     assert source_of(model.net) is qat.int8_modules["net"]
     fake_quant_acc = test_accuracy(qat.fake_quant_modules["net"], dm)
     assert abs(test_accuracy(model.net, dm) - fake_quant_acc) <= 0.01
+
+    # the parity that decided was measured on validation rows in batches of 16, not on the example
+    # input (zeros: every row the same, so top-1 agreement would be all or nothing)
+    dm.setup("fit")
+    x = torch.cat([x for x, _ in list(dm.val_dataloader())[:4]])
+    x = x[: min(len(x) // 16, PARITY_CALLS) * 16]
+    assert choice["top1_rows"]["fx"] == len(x) >= 64 and "validation batches" in choice["parity_on"]
+    with torch.no_grad():
+        reference = torch.cat([qat.fake_quant_modules["net"](b) for b in x.split(16)])
+        int8 = torch.cat([qat.int8_modules["net"](b) for b in x.split(16)])
+    assert reference.argmax(1).unique().numel() == 10
+    assert choice["sqnr_db"]["fx"] == pytest.approx(sqnr_db(reference, int8), abs=0.01)
+    assert choice["top1_agreement"]["fx"] == pytest.approx(top1_agreement(reference, int8), abs=1e-4)
 
 
 def test_lowering_fx_is_the_default_and_changes_nothing(trained_qat):

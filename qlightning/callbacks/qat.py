@@ -100,7 +100,9 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
         lowering: the int8 runtime kept at fit end: ``"fx"`` (the engine's module), ``"auto"`` (the
             fastest runtime faithful to the fake-quant model), ``"onnxruntime"`` or ``"inductor"``.
         lowering_candidates: the runtimes ``lowering="auto"`` chooses from (default: all).
-        lowering_batch_size: the example input is tiled to this batch to time and check candidates.
+        lowering_batch_size: the batch size candidates are timed and checked at: the held batches
+            (validation loader, else training batches; ``fidelity.batches`` of them) regrouped into it,
+            else the example input tiled to it.
         lowering_min_sqnr_db: SQNR a runtime needs against the fake-quant model to be kept.
         fidelity: the fit-end gate comparing the int8 model as it runs with the fake-quant model on
             held batches (validation loader, else training batches): ``True`` (defaults), ``False``,
@@ -605,8 +607,8 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.convert_on_fit_end and self.prepared and not self.converted:
             self._complete_schedule(trainer, pl_module)
-            if self.fidelity.enabled and trainer.is_global_zero:
-                self._hold_batches(trainer, pl_module)
+            if (self.fidelity.enabled or self.lowering != ENGINE_MODULE) and trainer.is_global_zero:
+                self._hold_batches(trainer, pl_module)  # the fidelity gate's and the lowering's real data
         self._sync(trainer, pl_module)
         if self.ptq_batches and not self.ptq_modules and self.float_snapshot is not None and self.prepared:
             self._run_ptq_baseline(trainer, pl_module, self.float_snapshot)  # resumed after fake-quant start
@@ -669,6 +671,7 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
     def _gate(self, pl_module: "pl.LightningModule") -> None:
         """Fit end: the int8 model as it runs against the fake-quant model; fail, warn or fall back."""
         if not self.fidelity.enabled or not self.fake_quant_modules:
+            self._held_batches = {}
             return
         breaches: list[ModuleFidelity] = []
         for name in self.targets:
@@ -698,14 +701,15 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
         self.engine  # resolved before the session uses it
         self.session.convert(
             pl_module, self.lowering, self.lowering_candidates, self.lowering_batch_size, self.lowering_min_sqnr_db,
-            on_choice=self._log_choice,
+            on_choice=self._log_choice, held=self._held_batches, held_source=self._held_source,
         )
         rank_zero_info(f"[qlightning] converted {self.targets} to int8 ({self.backend})")
 
     def _log_choice(self, name: str, choice: Any) -> None:
         rank_zero_info(
             f"[qlightning] {name}: lowering={self.lowering} kept {choice.name!r} "
-            f"(median ms at batch {choice.batch_size}: {choice.latency_ms}; SQNR dB vs fake-quant: {choice.sqnr_db}"
+            f"(median ms at batch {choice.batch_size}: {choice.latency_ms}; SQNR dB vs fake-quant on "
+            f"{choice.parity_on}: {choice.sqnr_db}"
             + (f"; not eligible: {choice.errors}" if choice.errors else "") + ")"
         )
 

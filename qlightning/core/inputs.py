@@ -122,6 +122,66 @@ def tile_inputs(inputs: Inputs, batch: int) -> Inputs:
     return Inputs(tile(tuple(inputs.args), batch), tile(dict(inputs.kwargs), batch))
 
 
+def rebatch(batches: Sequence[Inputs], rows: int, limit: Optional[int] = None) -> list[Inputs]:
+    """The rows of ``batches`` regrouped into calls of exactly ``rows`` rows (a compiled runtime sees one shape).
+
+    Rows are taken in order and the last partial group is dropped; when all of them make less than one
+    group they are tiled to ``rows``. Only batches shaped like the first are used (same structure, same
+    non-tensor values, same shapes past the batch dim: a padded text batch of another length is left out).
+
+    Args:
+        batches: inputs of several calls (e.g. held validation batches).
+        rows: the rows of every call returned.
+        limit: at most this many calls (``None``: all).
+    """
+    if not batches:
+        return []
+    flat = [torch.utils._pytree.tree_flatten((tuple(b.args), dict(b.kwargs))) for b in batches]
+    leaves0, spec0 = flat[0]
+
+    def batched(v: Any) -> bool:
+        return isinstance(v, torch.Tensor) and v.dim() > 0
+
+    def like_first(leaves: list[Any], spec: Any) -> bool:
+        if spec != spec0:
+            return False
+        for a, b in zip(leaves, leaves0):
+            if batched(a) != batched(b):
+                return False
+            if batched(a):
+                if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype or a.shape[0] != leaves[_first_batched(leaves)].shape[0]:
+                    return False
+            elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)):
+                    return False
+            elif a is not b and a != b:
+                return False
+        return True
+
+    first = _first_batched(leaves0)
+    if first is None:
+        return [Inputs(tuple(batches[0].args), dict(batches[0].kwargs))]
+    usable = [leaves for leaves, spec in flat if like_first(leaves, spec)]
+    if not usable:  # tensors whose first dims disagree: no rows to regroup
+        return [tile_inputs(batches[0], rows)]
+    joined = [torch.cat([leaves[i] for leaves in usable]) if batched(v) else v for i, v in enumerate(leaves0)]
+    total = joined[first].shape[0]
+    if total < rows:
+        joined = [tile(v, rows) for v in joined]
+        total = rows
+    calls = total // rows if limit is None else min(total // rows, limit)
+    out = []
+    for k in range(calls):
+        leaves = [v[k * rows:(k + 1) * rows] if batched(v) else v for v in joined]
+        args, kwargs = torch.utils._pytree.tree_unflatten(leaves, spec0)
+        out.append(Inputs(tuple(args), dict(kwargs)))
+    return out
+
+
+def _first_batched(leaves: Sequence[Any]) -> Optional[int]:
+    return next((i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+
+
 def slice_rows(inputs: Inputs, rows: int) -> Inputs:
     """``inputs`` with every tensor cut to its first ``rows`` rows.
 

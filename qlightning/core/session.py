@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
-from qlightning.core.inputs import Inputs, example_inputs_for, positional_args, resolve_targets, tile_inputs
+from qlightning.core.inputs import Inputs, example_inputs_for, positional_args, rebatch, resolve_targets, tile_inputs
 from qlightning.core.schedule import Phase
 from qlightning.engines import QuantEngine, QuantSpec
 from qlightning.errors import ConfigError, DryRunError, ReferenceUnavailableError, TraceError
@@ -105,6 +105,10 @@ def trace_routes(name: str, module: nn.Module, inputs: Inputs) -> str:
         universe = [f"{name}.{n}" for n, _ in module.named_modules() if n]
         text += f" The parts that trace (route 1.a): modules={compress([f'{name}.{p}' for p in parts], universe)}."
     return text
+
+
+#: at most this many held batches (of the lowering's batch size) check each runtime's parity
+PARITY_CALLS = 8
 
 
 class QuantSession:
@@ -375,6 +379,8 @@ class QuantSession:
         batch_size: int = 32,
         min_sqnr_db: float = 25.0,
         on_choice: Optional[Callable[[str, LoweringChoice], None]] = None,
+        held: Optional[Mapping[str, Sequence[Inputs]]] = None,
+        held_source: str = "",
     ) -> None:
         """Convert every target to int8 in place; with ``lowering != "fx"`` also choose its runtime.
 
@@ -386,6 +392,9 @@ class QuantSession:
             batch_size: the example input is tiled to this batch for timing and parity.
             min_sqnr_db: parity a runtime needs against the fake-quant model.
             on_choice: called with each target's choice (for logging).
+            held: each target's inputs on held data (e.g. validation batches), on which the runtimes'
+                parity is measured, regrouped into batches of ``batch_size``; else the example input tiled.
+            held_source: what ``held`` is, in words (for the report).
         """
         for name in self.targets:
             prepared = self.detach_fake_quant(root, name)
@@ -393,7 +402,10 @@ class QuantSession:
             self.int8_modules[name] = int8
             set_submodule(root, name, int8)
             if lowering != ENGINE_MODULE and name in self.fake_quant_modules:
-                set_submodule(root, name, self.lower(name, int8, lowering, candidates, batch_size, min_sqnr_db, on_choice))
+                set_submodule(root, name, self.lower(
+                    name, int8, lowering, candidates, batch_size, min_sqnr_db, on_choice,
+                    parity_inputs=(held or {}).get(name), parity_source=held_source,
+                ))
         self.converted = True
 
     def export_limits(self) -> dict[str, str]:
@@ -426,6 +438,8 @@ class QuantSession:
         self, name: str, int8: nn.Module, lowering: str, candidates: Optional[Sequence[str]] = None,
         batch_size: int = 32, min_sqnr_db: float = 25.0,
         on_choice: Optional[Callable[[str, LoweringChoice], None]] = None,
+        parity_inputs: Optional[Sequence[Inputs]] = None,
+        parity_source: str = "",
     ) -> nn.Module:
         """The fastest runtime of ``int8`` that is faithful to the fake-quant model (else ``int8``).
 
@@ -437,10 +451,17 @@ class QuantSession:
             batch_size: the example input is tiled to this batch to time and check candidates.
             min_sqnr_db: the SQNR a runtime needs against the fake-quant model.
             on_choice: called with the target's name and the choice (for logging).
+            parity_inputs: the target's inputs on held data: regrouped into (at most
+                :data:`PARITY_CALLS`) batches of ``batch_size``, the runtimes are timed on the first and
+                checked on all. ``None``: the example input tiled to ``batch_size`` (an
+                ``example_input_array`` of zeros gives every row the same output, so top-1 agreement
+                would be all or nothing).
+            parity_source: what ``parity_inputs`` are, in words (for the report).
         """
         if not candidates:
             candidates = CANDIDATES if lowering == "auto" else ("fx", lowering)
-        batch = tile_inputs(self.inputs[name], batch_size)
+        calls = rebatch(parity_inputs, batch_size, limit=PARITY_CALLS) if parity_inputs else []
+        batch = calls[0] if calls else tile_inputs(self.inputs[name], batch_size)
         try:
             reference = self.reference_module(name)
         except Exception:
@@ -448,8 +469,11 @@ class QuantSession:
         try:
             choice = choose_lowering(
                 self.fake_quant_modules[name], int8, batch, candidates=candidates,
-                min_sqnr_db=min_sqnr_db, qdq_module=reference,
+                min_sqnr_db=min_sqnr_db, qdq_module=reference, parity_inputs=calls or None,
             )
+            rows = len(calls) * batch_size
+            choice.parity_on = (f"{rows} rows of {parity_source or 'held batches'} as {len(calls)} batches of {batch_size}"
+                                if calls else f"the example input tiled to {batch_size} rows")
         except Exception as exc:  # the engine's module is always a valid answer
             warnings.warn(f"qlightning lowering of {name!r} failed, keeping the {self.engine.name} int8 module: "
                           f"{type(exc).__name__}: {exc}", stacklevel=2)

@@ -265,6 +265,7 @@ class LoweringChoice:
         build_s: seconds spent building (exporting) each candidate, its first call excluded.
         first_call_s: seconds of each candidate's first call on the example input: for ``inductor``
             the ``torch.compile`` compilation (steady-state latency is ``latency_ms``).
+        parity_on: what ``sqnr_db`` and ``top1_agreement`` were measured on, in words.
     """
 
     name: str
@@ -281,6 +282,7 @@ class LoweringChoice:
     batch_size: Optional[int] = None
     threads: int = 1
     repeats: int = 0
+    parity_on: str = "the example input"
 
     @property
     def passed(self) -> list[str]:
