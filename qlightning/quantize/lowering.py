@@ -385,6 +385,8 @@ def choose_lowering(
         built: dict[str, nn.Module] = {}
         choice = LoweringChoice(name=fallback, module=int8_module, min_sqnr_db=min_sqnr_db, min_top1=min_top1,
                                 batch_size=_batch_size(inputs), threads=torch.get_num_threads(), repeats=repeats)
+        if parity_inputs:
+            choice.parity_on = f"{len(batches)} given batches"
         for name in dict.fromkeys(candidates):
             start = time.perf_counter()
             first = None
