@@ -1,7 +1,9 @@
 """The measurements behind ``python -m benchmarks``: one function per figure family.
 
 Every ratio comes from one :func:`benchmarks.timing.interleaved_medians` call (same process, calls
-interleaved, medians), so the numerator and denominator saw the same machine state.
+interleaved, medians), or for int8 runtimes with their own thread pools one
+:func:`benchmarks.timing.blocked_medians` call (blocks of calls taken in turn), so the numerator and
+denominator saw the same machine state.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 from benchmarks.models import ConvBnReluChain, ModelSpec, model_spec
-from benchmarks.timing import interleaved_medians, medians
+from benchmarks.timing import blocked_medians, interleaved_medians, medians
 from qlightning import Inputs, Phase, QuantSpec, get_engine
 
 ROOT = str(Path(__file__).resolve().parents[1])  # the repository root, for the child processes
@@ -414,14 +416,15 @@ def latency(spec: ModelSpec, batches: tuple[int, ...], repeats: int, clock: str,
         floats: dict[str, Any] = {}
 
         def timer(fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
-            # float eager and the PT2E baseline interleaved with the lowering candidates: one run, one set of ratios
+            # float eager and the PT2E baseline timed with the lowering candidates: one run, one set of ratios;
+            # in blocks, since the runtimes' thread pools spin after each call and would slow the next runtime's
             every = dict(fns)
             for name, module in extra.items():
                 def run(m: nn.Module = module) -> None:
                     with torch.inference_mode():
                         m(x)
                 every[name] = run
-            stats = interleaved_medians(every, repeats, warmup=3, clock=clock)
+            stats = blocked_medians(every, repeats, warmup=3, clock=clock)
             floats.update(stats)
             return {k: v["median"] * 1e3 for k, v in stats.items() if k in fns}
 

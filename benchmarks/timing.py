@@ -1,4 +1,4 @@
-"""Interleaved median timing, on the thread's CPU clock or the wall clock."""
+"""Median timing side by side (calls interleaved, or in blocks taken in turn), on the thread's CPU clock or the wall clock."""
 
 from __future__ import annotations
 
@@ -36,6 +36,21 @@ def interleaved_medians(
             elapsed = now() - start
             if i >= warmup:
                 times[name].append(elapsed)
+    return _stats(times)
+
+
+def blocked_medians(
+    fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 3, clock: str = "wall", rounds: int = 3
+) -> dict[str, dict[str, float]]:
+    """Like :func:`interleaved_medians`, with the calls in blocks of one function, the blocks taken in turn
+    (:func:`qlightning.core.metrics.block_times`): for runtimes with their own thread pools (onnxruntime,
+    inductor's OpenMP), whose threads spin after a call and slow the next one if it is another runtime's."""
+    from qlightning.core.metrics import block_times
+
+    return _stats(block_times(fns, repeats, warmup, rounds, clock=CLOCKS[clock]))
+
+
+def _stats(times: Mapping[str, list[float]]) -> dict[str, dict[str, float]]:
     out = {}
     for k, v in times.items():
         v = sorted(v)

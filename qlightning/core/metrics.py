@@ -88,8 +88,11 @@ def top1_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> Optional
     return float((reference.argmax(-1) == candidate.argmax(-1)).double().mean())
 
 
-def median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 5, rounds: int = 3) -> dict[str, float]:
-    """Median wall time per call of each function, in ms: consecutive calls of one function in blocks, the
+def block_times(
+    fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 5, rounds: int = 3,
+    clock: Optional[Callable[[], float]] = None,
+) -> dict[str, list[float]]:
+    """Seconds of each timed call of each function: consecutive calls of one function in blocks, the
     blocks of all functions taken in turn ``rounds`` times, so drift hits all alike.
 
     Not call by call: a runtime's worker threads spin-wait for a while after each call (onnxruntime's pool,
@@ -102,18 +105,33 @@ def median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 
         repeats: timed calls of each.
         warmup: untimed calls of each before its first block (one before each later block: the pool wakes).
         rounds: how many blocks each function's timed calls are split into.
+        clock: the clock read around each call, in seconds (``None``: ``time.perf_counter``).
     """
+    clock = clock or time.perf_counter
     times: dict[str, list[float]] = {k: [] for k in fns}
     rounds = max(1, min(rounds, repeats))
+    for r in range(rounds):
+        block = repeats // rounds + (1 if r < repeats % rounds else 0)
+        for name, fn in fns.items():
+            for i in range(-(warmup if r == 0 else min(warmup, 1)), block):
+                start = clock()
+                fn()
+                if i >= 0:
+                    times[name].append(clock() - start)
+    return times
+
+
+def median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 5, rounds: int = 3) -> dict[str, float]:
+    """Median wall time per call of each function, in ms, under inference mode (:func:`block_times`).
+
+    Args:
+        fns: ``{name: zero-argument callable}`` to time side by side.
+        repeats: timed calls of each.
+        warmup: untimed calls of each before its first block (one before each later block: the pool wakes).
+        rounds: how many blocks each function's timed calls are split into.
+    """
     with torch.inference_mode():
-        for r in range(rounds):
-            block = repeats // rounds + (1 if r < repeats % rounds else 0)
-            for name, fn in fns.items():
-                for i in range(-(warmup if r == 0 else min(warmup, 1)), block):
-                    start = time.perf_counter()
-                    fn()
-                    if i >= 0:
-                        times[name].append(time.perf_counter() - start)
+        times = block_times(fns, repeats, warmup, rounds)
     return {k: statistics.median(v) * 1e3 for k, v in times.items() if v}
 
 
