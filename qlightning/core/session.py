@@ -389,7 +389,7 @@ class QuantSession:
             lowering: ``fx`` (the engine's module), ``auto`` or a runtime name of
                 :data:`~qlightning.quantize.lowering.CANDIDATES`.
             candidates: the runtimes ``auto`` chooses from (default: all).
-            batch_size: the example input is tiled to this batch for timing and parity.
+            batch_size: the batch size runtimes are timed and checked at.
             min_sqnr_db: parity a runtime needs against the fake-quant model.
             on_choice: called with each target's choice (for logging).
             held: each target's inputs on held data (e.g. validation batches), on which the runtimes'
@@ -448,7 +448,7 @@ class QuantSession:
             int8: its converted module.
             lowering: ``auto`` or a candidate's name.
             candidates: the runtimes ``auto`` chooses from (default: all).
-            batch_size: the example input is tiled to this batch to time and check candidates.
+            batch_size: the batch size candidates are timed and checked at.
             min_sqnr_db: the SQNR a runtime needs against the fake-quant model.
             on_choice: called with the target's name and the choice (for logging).
             parity_inputs: the target's inputs on held data: regrouped into (at most
