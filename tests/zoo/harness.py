@@ -264,6 +264,10 @@ class CaseResult:
     int8_ms_b1: Optional[float] = None
     float_ms_b32: Optional[float] = None
     int8_ms_b32: Optional[float] = None
+    auto_runtime: Optional[str] = None  # what lowering=auto keeps at batch 32, and float / it timed in blocks
+    float_ms_auto_b32: Optional[float] = None
+    auto_ms_b32: Optional[float] = None
+    auto: dict = field(default_factory=dict)  # its candidates' latency, parity and why each was not kept
     options: dict = field(default_factory=dict)
     message: str = ""
     warnings: list = field(default_factory=list)
@@ -287,6 +291,26 @@ def _latency_ms(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, fl
 
     with torch.no_grad():
         return {k: 1000.0 * v for k, v in medians(interleaved_medians(fns, repeats, warmup=3, clock="wall")).items()}
+
+
+def _lower_auto(result: CaseResult, qat: Any, int8: nn.Module, x: torch.Tensor, float_net: nn.Module, repeats: int) -> None:
+    """What ``lowering="auto"`` ships at batch 32: the callback's own ``session.lower`` (every runtime built, checked
+    against the fake-quant model on 128 held rows in batches of 32 and timed), then float eager and the kept runtime
+    timed side by side in blocks (:func:`benchmarks.timing.blocked_medians`: runtimes' thread pools spin after a call)."""
+    from benchmarks.timing import blocked_medians, medians
+    from qlightning.core.inputs import Inputs
+
+    held = [Inputs((x[i:i + 32],)) for i in range(0, 128, 32)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lowered = qat.session.lower("net", int8, "auto", batch_size=32, parity_inputs=held, parity_source="held test digits")
+    choice = qat.session.lowering_choices.get("net") or {}
+    result.auto = {k: choice.get(k) for k in ("latency_ms", "sqnr_db", "top1_agreement", "errors", "first_call_s", "parity_on")}
+    result.auto_runtime = choice.get("name")
+    xb = x[:32]
+    with torch.no_grad():
+        ms = medians(blocked_medians({"float": lambda: float_net(xb), "auto": lambda: lowered(xb)}, repeats, clock="wall"))
+    result.float_ms_auto_b32, result.auto_ms_b32 = 1000.0 * ms["float"], 1000.0 * ms["auto"]
 
 
 def run_case(model_name: str, engine: str, *, max_steps: Optional[int] = None, batch_size: int = 32, seed: int = 0,
@@ -361,6 +385,8 @@ def run_case(model_name: str, engine: str, *, max_steps: Optional[int] = None, b
             ms = _latency_ms({"float": lambda: float_net(xb), "int8": lambda: int8(xb)}, latency_repeats)
             setattr(result, f"float_ms_{attr}", ms["float"])
             setattr(result, f"int8_ms_{attr}", ms["int8"])
+        if fake_quant is not None:
+            _lower_auto(result, qat, int8, x, float_net, latency_repeats)
     if result.message:
         result.status = "error"
     elif not result.learned():
