@@ -138,6 +138,9 @@ def rebatch(batches: Sequence[Inputs], rows: int, limit: Optional[int] = None) -
         return []
     flat = [torch.utils._pytree.tree_flatten((tuple(b.args), dict(b.kwargs))) for b in batches]
     leaves0, spec0 = flat[0]
+    first = next((i for i, v in enumerate(leaves0) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+    if first is None:
+        return [Inputs(tuple(batches[0].args), dict(batches[0].kwargs))]
 
     def batched(v: Any) -> bool:
         return isinstance(v, torch.Tensor) and v.dim() > 0
@@ -145,11 +148,12 @@ def rebatch(batches: Sequence[Inputs], rows: int, limit: Optional[int] = None) -
     def like_first(leaves: list[Any], spec: Any) -> bool:
         if spec != spec0:
             return False
+        rows_here = leaves[first].shape[0] if batched(leaves[first]) else None
         for a, b in zip(leaves, leaves0):
             if batched(a) != batched(b):
                 return False
             if batched(a):
-                if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype or a.shape[0] != leaves[_first_batched(leaves)].shape[0]:
+                if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype or a.shape[0] != rows_here:
                     return False
             elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
                 if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)):
@@ -158,9 +162,6 @@ def rebatch(batches: Sequence[Inputs], rows: int, limit: Optional[int] = None) -
                 return False
         return True
 
-    first = _first_batched(leaves0)
-    if first is None:
-        return [Inputs(tuple(batches[0].args), dict(batches[0].kwargs))]
     usable = [leaves for leaves, spec in flat if like_first(leaves, spec)]
     if not usable:  # tensors whose first dims disagree: no rows to regroup
         return [tile_inputs(batches[0], rows)]
@@ -176,10 +177,6 @@ def rebatch(batches: Sequence[Inputs], rows: int, limit: Optional[int] = None) -
         args, kwargs = torch.utils._pytree.tree_unflatten(leaves, spec0)
         out.append(Inputs(tuple(args), dict(kwargs)))
     return out
-
-
-def _first_batched(leaves: Sequence[Any]) -> Optional[int]:
-    return next((i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
 
 
 def slice_rows(inputs: Inputs, rows: int) -> Inputs:
