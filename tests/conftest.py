@@ -9,6 +9,15 @@ import subprocess
 import sys
 import warnings
 
+# Two xdist workers of two torch threads share the machine's two cores. OpenMP's threads spin while they wait
+# (its default), so a worker's thread that lost its core left the other burning it: the suite ran 3-30x slower
+# (the resume tests: 240 s on two workers spinning, 34 s passive; 2.9 s alone). Passive waiting changes scheduling
+# only: each test still computes on its 2 threads. It must be set before torch loads OpenMP; the subprocesses the
+# tests start (the CLI, DDP ranks) inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "torch" in sys.modules:  # a plugin loaded it first: this process spins (its subprocesses still wait passively)
+    warnings.warn("torch was imported before tests/conftest.py: set OMP_WAIT_POLICY=PASSIVE in the environment")
+
 import lightning.pytorch as pl
 import pytest
 import torch
