@@ -471,3 +471,85 @@ def test_held_batches_regroup_into_calls_of_the_timed_shape(sizes, rows, limit):
         assert x.shape == (rows, 1) and call.kwargs["mask"].shape == (rows, 3) and scale == 2.0
         expected = torch.arange(k * rows, (k + 1) * rows) % total if total < rows else torch.arange(k * rows, (k + 1) * rows)
         assert torch.equal(x.squeeze(1), expected.float())
+
+
+_INT8_KERNELS_SCRIPT = r"""
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+from torch._dynamo.utils import counters
+from qlightning import Inputs, Phase, QuantSpec, get_engine
+from qlightning.examples.digits import DigitsCNN, DigitsDataModule
+from qlightning.quantize.lowering import BUILDERS, LoweringContext
+from qlightning.run.parity import sqnr_db
+
+torch.manual_seed(0)
+dm = DigitsDataModule(seed=0)
+dm.setup()
+x = dm.splits["train"].tensors[0][:128]
+engine, spec = get_engine("fx"), QuantSpec(backend="x86")
+prepared = engine.prepare(DigitsCNN(), Inputs((x[:1],)), spec)
+engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
+prepared.train()
+with torch.no_grad():
+    for i in range(0, 128, 32):
+        prepared(x[i:i + 32])
+engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
+fake_quant = prepared
+import copy
+int8 = engine.convert(copy.deepcopy(prepared), spec)
+torchao_before = "torchao.quantization.pt2e.quantizer.x86_inductor_quantizer" in sys.modules
+module = BUILDERS["inductor"](LoweringContext(fake_quant, int8, Inputs((x[:32],))))
+from torch._inductor.utils import run_and_get_code
+with torch.no_grad():
+    out, code = run_and_get_code(module, x[:32])
+    ref = fake_quant.eval()(x[:32])
+convs = [line for line in "\n".join(code).splitlines()
+         if "torch.ops.onednn.qconv_pointwise" in line and "assert" not in line and "=" in line]
+print(json.dumps({"torchao_before": torchao_before, "qconv": counters["inductor"]["qconv_weight_prepack_matcher_count"],
+                  "qlinear": counters["inductor"]["qlinear_weight_prepack_matcher_count"], "sqnr_db": sqnr_db(ref, out),
+                  "conv_calls": len(convs), "uint8_hardtanh": sum("torch.uint8, 'hardtanh'" in line for line in convs)}))
+"""
+
+
+@pytest.mark.slow
+def test_inductor_lowers_an_fx_model_to_int8_kernels_in_a_process_that_never_used_pt2e(tmp_path):
+    """From torch 2.14 inductor's x86 int8 passes (q/dq + conv -> oneDNN qconv) are torchao's, registered when
+    its x86 quantizer is imported, which only the PT2E engine did: in an FX-only process ``lowering=inductor``
+    compiled the q/dq graph into float convolutions (as faithful, at float speed). A fresh interpreter, the
+    FX graph cache off (a cached graph skips the passes, and their counters). Also: x86's activation clamps
+    reach inductor in the form it fuses into the int8 conv (a conv with a float32 output and a separate
+    clamp-and-quantize kernel before)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    done = subprocess.run([sys.executable, "-c", _INT8_KERNELS_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not result["torchao_before"], "the FX run imported torchao's x86 quantizer: the test would not see the defect"
+    assert result["qconv"] >= 2 and result["qlinear"] >= 1, result  # DigitsCNN's convs and head as int8 kernels
+    # each conv, its ReLU and the clamp to x86's 0..127 in one kernel writing uint8 (clamps_before_quantize)
+    assert result["conv_calls"] == result["qconv"] == result["uint8_hardtanh"], result
+    assert result["sqnr_db"] >= 25.0, result  # faithful to the fake-quant model (lowering's default threshold)
+
+
+def test_clamps_before_quantize_compute_the_same_integers(trained_digits):
+    """The inductor form of x86's activation clamps (``clamp -> quantize`` after each conv, ReLU folded into
+    the clamp) computes what the chain ONNX needs (``quantize -> dequantize -> clamp -> quantize``) does, bit for
+    bit, in range and far outside it."""
+    from qlightning.quantize.qdq import clamps_before_quantize, qdq_program
+
+    fake_quant, int8, x, _ = trained_digits
+    program = qdq_program(reference_qdq_module(fake_quant, int8), Inputs((x[:32],)))
+    chain, fused = program.program.module(), program.program.module()
+    assert clamps_before_quantize(fused) == 3  # DigitsCNN's three conv-bn(-relu)s
+    targets = [n.target for n in fused.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.relu.default not in targets  # folded into the clamps
+    assert torch.ops.aten.relu.default in [n.target for n in chain.graph.nodes]  # a graph of its own
+    with torch.no_grad():
+        for batch in (x[:32], 8.0 * x[32:64], -x[64:96]):
+            assert torch.equal(chain(batch), fused(batch))

@@ -50,7 +50,7 @@ from qlightning.core.metrics import median_ms, sqnr_db, top1_agreement
 from qlightning.core.quiet import quiet
 from qlightning.engines import ENGINES, QuantEngine, get_engine
 from qlightning.errors import EngineUnavailableError, QLightningError
-from qlightning.quantize.qdq import quiet_export, qdq_program, write_onnx
+from qlightning.quantize.qdq import clamps_before_quantize, quiet_export, qdq_program, write_onnx
 
 #: the lowering that keeps the engine's own int8 module, whichever the engine (named after FX, the first one)
 ENGINE_MODULE = "fx"
@@ -149,6 +149,11 @@ class InductorModule(nn.Module):
         import torch._inductor.config as inductor_config
 
         if self._compiled is None:
+            from qlightning.engines.pt2e.inductor import x86_int8_passes
+
+            missing = x86_int8_passes()  # also in a process this module was pickled into
+            if missing:
+                raise LoweringError(f"inductor: {missing}")
             self._compiled = torch.compile(self.graph, dynamic=self.dynamic)
         # dynamo guards on each input's dispatch keys, which inference_mode changes (its tensors lack the
         # autograd keys, and the mode hides them on the others): Lightning validates and tests under it, and
@@ -232,9 +237,15 @@ def _build_onnxruntime(ctx: LoweringContext) -> nn.Module:
 
 
 def _build_inductor(ctx: LoweringContext) -> nn.Module:
+    from qlightning.engines.pt2e.inductor import x86_int8_passes
+
+    missing = x86_int8_passes()  # torch >= 2.14: torchao's, registered on import (an FX-only process had none)
+    if missing:
+        raise LoweringError(f"inductor: {missing}")
     if not engine_of(ctx.int8).converts_to_qdq_graph:
         with quiet_export():
-            graph = ctx.qdq_program().program.module()
+            graph = ctx.qdq_program().program.module()  # a new module: the rewrite below is inductor's own
+        clamps_before_quantize(graph)
     else:
         graph = copy.deepcopy(ctx.int8)
     return attach_source(InductorModule(graph), ctx.int8)  # compiles on its first call (choose_lowering times it)
