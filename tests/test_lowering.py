@@ -553,3 +553,18 @@ def test_clamps_before_quantize_compute_the_same_integers(trained_digits):
     with torch.no_grad():
         for batch in (x[:32], 8.0 * x[32:64], -x[64:96]):
             assert torch.equal(chain(batch), fused(batch))
+
+
+def test_inductor_without_torchao_passes_is_refused_with_the_reason(trained_digits, monkeypatch):
+    """On a torch whose inductor has no x86 int8 passes of its own (2.14+) and no torchao, the inductor candidate
+    would run float convolutions: it is refused, saying why, and the engine's module is kept."""
+    import sys
+
+    from qlightning.engines.pt2e import inductor
+
+    monkeypatch.setattr(inductor, "PASSES_MOVED_TO_TORCHAO", (0, 0))  # any torch: the passes are torchao's
+    monkeypatch.setitem(sys.modules, "torchao.quantization.pt2e.quantizer.x86_inductor_quantizer", None)  # not importable
+    fake_quant, int8, x, _ = trained_digits
+    choice = choose_lowering(fake_quant, int8, x[:32], candidates=("fx", "inductor"), timer=fixed_timer({"fx": 1.0}))
+    assert choice.name == "fx"
+    assert "torchao" in choice.errors["inductor"] and "float" in choice.errors["inductor"], choice.errors

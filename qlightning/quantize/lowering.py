@@ -151,7 +151,9 @@ class InductorModule(nn.Module):
         if self._compiled is None:
             from qlightning.engines.pt2e.inductor import x86_int8_passes
 
-            missing = x86_int8_passes()  # also in a process this module was pickled into
+            # torch >= 2.14: torchao's passes, registered on import (an FX-only process had none); here, not at
+            # build, so that a copy pickled into another process has them too; choose_lowering's first call refuses
+            missing = x86_int8_passes()
             if missing:
                 raise LoweringError(f"inductor: {missing}")
             self._compiled = torch.compile(self.graph, dynamic=self.dynamic)
@@ -237,11 +239,6 @@ def _build_onnxruntime(ctx: LoweringContext) -> nn.Module:
 
 
 def _build_inductor(ctx: LoweringContext) -> nn.Module:
-    from qlightning.engines.pt2e.inductor import x86_int8_passes
-
-    missing = x86_int8_passes()  # torch >= 2.14: torchao's, registered on import (an FX-only process had none)
-    if missing:
-        raise LoweringError(f"inductor: {missing}")
     if not engine_of(ctx.int8).converts_to_qdq_graph:
         with quiet_export():
             graph = ctx.qdq_program().program.module()  # a new module: the rewrite below is inductor's own

@@ -351,8 +351,6 @@ def clamps_before_quantize(gm: torch.fx.GraphModule) -> int:
         if (isinstance(x, torch.fx.Node) and x.target in (torch.ops.aten.relu.default, torch.ops.aten.relu_.default)
                 and len(x.users) == 1 and isinstance(lo, (int, float)) and lo >= 0):
             x = x.args[0]
-        elif x is not q.args[0]:
-            continue
         if not (isinstance(x, torch.fx.Node) and x.target in _CONVOLUTIONS):
             continue  # a pool, reshape or linear fuses with the quantize after it as the chain stands
         clamp.args = (x, lo, hi)

@@ -18,11 +18,6 @@ import torch
 PASSES_MOVED_TO_TORCHAO = (2, 14)
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
 def x86_int8_passes() -> Optional[str]:
     """Make sure inductor lowers q/dq graphs to int8 kernels on x86: ``None`` when it will, else why not.
 
@@ -35,7 +30,7 @@ def x86_int8_passes() -> Optional[str]:
         with _quiet_torchao_import():
             import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401  registers on import
     except ImportError as exc:
-        if _torch_version() < PASSES_MOVED_TO_TORCHAO:
+        if torch.__version__ < PASSES_MOVED_TO_TORCHAO:  # a TorchVersion: compares with tuples
             return None  # inductor's own passes
         return (f"torch {torch.__version__}'s inductor lowers int8 q/dq graphs to int8 kernels only with torchao's "
                 f"x86 passes, and torchao could not be imported ({exc}); without them the graph would run as float "
