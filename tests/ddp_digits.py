@@ -23,8 +23,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import atexit
 import inspect
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -64,6 +66,28 @@ class Probe(Callback):
             self._dump(trainer, pl_module, f"val{trainer.current_epoch}")
 
 
+class ExitProbeDigits(DigitsDataModule):
+    """Digits; every process that joined a process group writes ``exit_{pid}.txt`` as it exits.
+
+    The file says whether the default process group was still initialised when interpreter
+    finalization began. The handler is registered in the datamodule's ``setup``, which Lightning
+    calls before the callbacks' ``setup``; ``atexit`` runs handlers last in, first out, so it runs
+    after whatever the callbacks registered.
+    """
+
+    def __init__(self, outdir: Path, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.outdir = outdir
+        self._probing = False
+
+    def setup(self, stage: str | None = None) -> None:
+        super().setup(stage)
+        if not self._probing and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self._probing = True
+            rank, path = torch.distributed.get_rank(), self.outdir / f"exit_{os.getpid()}.txt"
+            atexit.register(lambda: path.write_text(f"rank={rank} stage={getattr(stage, 'value', stage)} initialized={torch.distributed.is_initialized()}"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("outdir", type=Path)
@@ -85,7 +109,7 @@ def main() -> None:
         qlightning.callbacks.qat.broadcast_buffers = lambda trainer, modules, src=0: 0
 
     pl.seed_everything(0, verbose=False)
-    dm = DigitsDataModule(batch_size=args.batch_size, seed=0)
+    dm = ExitProbeDigits(args.outdir, batch_size=args.batch_size, seed=0)
     model = DigitsClassifier()
     freeze = max(1, min(3, args.epochs - 1))  # a milestone the fit never reaches is a config error
     qat = QuantizationAwareTraining(

@@ -20,7 +20,7 @@ from typing_extensions import override
 from qlightning.callbacks import lightning_compat as compat
 from qlightning.callbacks.base import SessionCallback, check_common_arguments
 from qlightning.callbacks.calibration_data import _STEP, calibration_batches, collect_inputs
-from qlightning.callbacks.distributed import broadcast_buffers
+from qlightning.callbacks.distributed import broadcast_buffers, destroy_gloo_group_at_exit
 from qlightning.callbacks.qat import QuantizationAwareTraining
 from qlightning.core.fidelity import PTQ_FIDELITY, FidelityConfig, apply_on_breach, compare_modules
 from qlightning.core.inputs import Inputs, RandomStates, as_inputs, capture_inputs, detach_shallow, evaluating, example_inputs_for, resolve_targets
@@ -229,6 +229,7 @@ class PostTrainingQuantization(SessionCallback, Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        destroy_gloo_group_at_exit(trainer)
         if stage == "fit" and self.converted:
             raise QLightningError(
                 "PostTrainingQuantization: the model was already quantized; fit a fresh float model "

@@ -15,7 +15,13 @@ from qlightning.callbacks import lightning_compat as compat
 from qlightning.callbacks.base import SessionCallback, check_common_arguments
 from qlightning.callbacks.calibration_data import calibration_batches, collect_inputs
 from qlightning.quantize.calibration import run_to_targets
-from qlightning.callbacks.distributed import RankZeroHandOver, broadcast_buffers, install_main_process_recovery, is_distributed
+from qlightning.callbacks.distributed import (
+    RankZeroHandOver,
+    broadcast_buffers,
+    destroy_gloo_group_at_exit,
+    install_main_process_recovery,
+    is_distributed,
+)
 from qlightning.callbacks.pruning import name_pruned_parameters, repoint_pruning
 from qlightning.core.inputs import RandomStates, as_inputs
 from qlightning.core.compile_choice import CompileDecider, phases_left
@@ -251,6 +257,7 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        destroy_gloo_group_at_exit(trainer)
         if stage == "fit" and self.converted:
             raise QLightningError(
                 "QuantizationAwareTraining: the model was already converted to int8 at the end of a "
