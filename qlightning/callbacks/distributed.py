@@ -71,7 +71,7 @@ def destroy_gloo_group_at_exit(trainer: Any) -> bool:
     """Register (once per process) an ``atexit`` handler that destroys a gloo default process group.
 
     Lightning registers one only for NCCL (``lightning.fabric.utilities.distributed._init_dist_connection``,
-    lightning#19931, checked on 2.4 - 2.6.6), so a CPU run's gloo group lives until interpreter
+    since 2.3, lightning#19931; read on 2.6.6), so a CPU run's gloo group lives until interpreter
     finalization, where gloo's worker threads can still hold finished work whose tensors need the
     GIL; the process then aborts (``terminate called without an active exception``, SIGABRT). That
     is a ``ddp_spawn`` worker (which exits through ``sys.exit``) or a ``ddp`` process ending its
