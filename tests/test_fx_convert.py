@@ -169,6 +169,73 @@ def test_int8_average_pools_and_dropouts_compute_what_the_fake_quant_model_does(
         assert torch.equal(torch.jit.trace(fixed, (x,), check_trace=False)(x), fixed(x))
 
 
+class DigitsSqueezeExcite(nn.Module):
+    """A squeeze-excitation block on 2x2 maps, as efficientnet_b0's last blocks see them on 32x32 inputs: a digit's
+    8x8 image through a stride-4 conv-bn-ReLU, the SE's average pool gating its channels, a global pool, the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(1, 16, 3, stride=4, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.squeeze, self.avgpool = nn.AdaptiveAvgPool2d(1), nn.AdaptiveAvgPool2d(1)
+        self.fc1, self.fc2 = nn.Conv2d(16, 4, 1), nn.Conv2d(4, 16, 1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv(x)
+        x = x * torch.sigmoid(self.fc2(torch.relu(self.fc1(self.squeeze(x)))))
+        return self.head(torch.flatten(self.avgpool(x), 1))
+
+
+def _digit_images(count: int = 256) -> torch.Tensor:
+    from sklearn.datasets import load_digits
+
+    return torch.tensor(load_digits().images[:count] / 16.0, dtype=torch.float32).unsqueeze(1)
+
+
+def _exact_tie_share(prepared: torch.fx.GraphModule, pool: str, x: torch.Tensor) -> float:
+    """The share of ``pool``'s float outputs that fall exactly on a half step of the grid they are quantized to
+    (their own fake-quant's, else their input's): where each runtime's arithmetic decides the rounding."""
+    from qlightning.engines.fx.engine import _per_tensor_fake_quant
+
+    node = next(n for n in prepared.graph.nodes if n.op == "call_module" and n.target == pool)
+    fake_quant = next((f for f in map(lambda u: _per_tensor_fake_quant(prepared, u), node.users) if f is not None),
+                      None) or _per_tensor_fake_quant(prepared, node.args[0])
+    seen = []
+    handle = prepared.get_submodule(pool).register_forward_hook(lambda m, i, out: seen.append(out))
+    with torch.no_grad():
+        prepared(x)
+    handle.remove()
+    scale = float(fake_quant.scale.reshape(-1)[0])
+    steps = seen[0].double() / scale
+    return float(((steps - steps.floor() - 0.5).abs() < 1e-6).double().mean())
+
+
+def test_average_pools_observe_their_own_grid_where_means_never_tie():
+    """inductor's int8 efficientnet_b0 departed from its fake-quant model by 20.6 dB (notes/perf.md section 15): on
+    its input's grid the mean of a 2x2 map is k / 4 of a step, an exact half-step tie 25 % of the time, rounded
+    either way by each runtime's float arithmetic. With an observer of its own the pool's grid has no such ties."""
+    from qlightning.core.metrics import MAX_SQNR_DB
+    from qlightning.engines.fx.engine import average_pool_output_qparams, requantized_onto
+
+    x = _digit_images()
+    torch.manual_seed(0)
+    shared = _trained(DigitsSqueezeExcite(), x, {"pool_observers": False}, steps=8)
+    torch.manual_seed(0)
+    own = _trained(DigitsSqueezeExcite(), x, {}, steps=8)  # the default
+    assert _exact_tie_share(shared, "squeeze", x) > 0.1  # measured 0.2-0.25
+    assert _exact_tie_share(own, "squeeze", x) < 0.001
+    # the FX module computes each pool onto its own trained grid, bit-identical to the fake-quant model
+    assert {"squeeze", "avgpool"} <= set(average_pool_output_qparams(own))
+    int8 = _convert(copy.deepcopy(own), {})
+    layers = _layers(own, int8, x)
+    assert layers["squeeze"] == layers["avgpool"] == MAX_SQNR_DB, layers
+    with torch.no_grad():
+        assert sqnr_db(own(x), int8(x)) > 40
+    torch.jit.script(requantized_onto)  # the rewrite stays TorchScript-able (int8_net.pt)
+    with torch.no_grad():
+        assert torch.equal(torch.jit.trace(int8, (x,), check_trace=False)(x), int8(x))
+
+
 class PatchTokens(nn.Module):
     """A ViT's stem in small: a patch-embedding conv, its map as tokens (``flatten(2).transpose(1, 2)``), an
     ``nn.Identity`` norm as timm has it (torchvision has none: ``identity=False``), a class token concatenated in

@@ -30,6 +30,8 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),
         "leaf_mode_modules": (bool, "modules whose traced forward would bake self.training in (torchvision StochasticDepth) stay leaves (default true)"),
         "pool_spatial_means": (bool, "int8 x.mean([2, 3]) runs as adaptive_avg_pool2d + flatten (torch's quantized mean fails on 1x1 maps; default true)"),
+        "pool_observers": (bool, "average pools and means observe their own output instead of sharing their input's grid, where a mean "
+                           "of an even number of codes ties exactly and each runtime breaks the ties its own way (default true)"),
         "requantize_as_trained": (bool, "int8 average pools run in float and requantize, dropouts and identities requantize to their trained qparams, as the fake-quant model computes them (default true)"),
     },
     "pt2e": {
@@ -43,7 +45,6 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "quantize_embeddings": (bool, "embedding tables stored as weight-only uint8 rows (torchao EmbeddingQuantizer; default false)"),
     },
 }
-
 
 def check_engine_options(engine: str, options: object, errors: list[str], key: str = "engine_options") -> None:
     """Append a message per unknown option or wrongly typed value of ``engine``'s options.

@@ -68,6 +68,47 @@ def backend_config_for(backend: str) -> Any:
     }[backend]()
 
 
+#: The average pools and means torch.ao's backend configs quantize with their input's observer
+#: (``OUTPUT_SHARE_OBSERVER_WITH_INPUT``); :func:`with_pool_observers` gives them one of their own.
+AVERAGE_POOL_PATTERNS = (
+    torch.nn.AvgPool1d, torch.nn.AvgPool2d, torch.nn.AvgPool3d,
+    torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d, torch.nn.AdaptiveAvgPool3d,
+    torch.nn.functional.avg_pool1d, torch.nn.functional.avg_pool2d, torch.nn.functional.avg_pool3d,
+    torch.avg_pool1d, torch._C._nn.avg_pool2d, torch._C._nn.avg_pool3d,
+    torch.nn.functional.adaptive_avg_pool1d, torch.nn.functional.adaptive_avg_pool2d,
+    torch.nn.functional.adaptive_avg_pool3d, torch.adaptive_avg_pool1d, torch.mean, "mean",
+)
+
+
+def with_pool_observers(config: Any) -> Any:
+    """``config`` (a ``BackendConfig``, changed in place and returned) with every average pool and mean observing
+    its own output (``OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT``) instead of sharing its input's observer.
+
+    Why (notes/perf.md section 15): on the input's grid a mean of ``HW`` codes is ``k / HW`` of a step, an exact
+    half-step tie whenever ``HW`` is even and the sum falls on one (25 % of the values of a 2x2 map), and which
+    way a tie rounds is decided by each runtime's float arithmetic: inductor's int8 efficientnet_b0 departed
+    from its fake-quant model by 20.6 dB that way. A grid of its own has no such ties and a finer step for the
+    narrower range of a mean.
+
+    Args:
+        config: the backend config to change.
+    """
+    with quiet_torch_ao():
+        from torch.ao.quantization.backend_config import BackendPatternConfig, ObservationType
+
+    for pattern_config in list(config.configs):
+        if pattern_config.pattern is None or not any(pattern_config.pattern is p or pattern_config.pattern == p
+                                                     for p in AVERAGE_POOL_PATTERNS):
+            continue
+        if pattern_config.observation_type != ObservationType.OUTPUT_SHARE_OBSERVER_WITH_INPUT:
+            continue
+        own = BackendPatternConfig(pattern_config.pattern)
+        own.set_observation_type(ObservationType.OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT)
+        own.set_dtype_configs(pattern_config.dtype_configs)
+        config.set_backend_pattern_config(own)
+    return config
+
+
 def default_weight_observer() -> Any:
     """torch.ao's ``default_weight_observer`` (8-bit per-tensor symmetric): where range imbalance hurts."""
     with quiet_torch_ao():

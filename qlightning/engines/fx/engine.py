@@ -21,7 +21,7 @@ from qlightning.engines.base import (
     QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, is_fused_fake_quant, quantized_engine,
     register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
 )
-from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao
+from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao, with_pool_observers
 from qlightning.engines.fx.prepare import faster_prepare
 from qlightning.engines.fx.weights import average_ranges_outside_conv_bn, default_qat_qconfig_mapping
 from qlightning.engines.fx.fast_fq import restore_fake_quant, swap_fake_quant
@@ -232,6 +232,9 @@ def pool_spatial_means(gm: torch.fx.GraphModule) -> int:
     return count
 
 
+#: engine option ``pool_observers``'s default: average pools and means observe their own output (:func:`with_pool_observers`)
+POOL_OBSERVERS_DEFAULT = True
+
 #: node meta key of a requantization the FX engine adds after an op (part of that layer's output, like a clamp)
 REQUANTIZE_META = "qlightning_requantize"
 
@@ -326,9 +329,60 @@ def _requantize_after(gm: torch.fx.GraphModule, node: torch.fx.Node, function: A
     node.replace_all_uses_with(again, delete_user_cb=lambda user: user is not again)
 
 
-def float_average_pools(gm: torch.fx.GraphModule) -> int:
+def requantized_onto(y: torch.Tensor, x: torch.Tensor, scale: float, zero_point: int, low: float,
+                     high: float) -> torch.Tensor:
+    """Float ``y`` clamped to ``[low, high]`` and quantized to ``scale`` / ``zero_point`` in quantized ``x``'s dtype,
+    rounded as the fake-quant op rounds; ``y`` when ``x`` is float. TorchScript-compatible.
+
+    Args:
+        y: the float result (e.g. a pool of ``x`` dequantized).
+        x: the quantized tensor ``y`` was computed from (its dtype is kept).
+        scale: the trained scale of ``y``'s own fake-quant.
+        zero_point: its zero point.
+        low: the smallest value kept (the fake-quant's ``quant_min`` in real units).
+        high: the largest value kept (its ``quant_max``).
+    """
+    if not torch.jit.is_scripting():  # TorchScript compiles only the rest
+        as_node = _as_one_node(requantized_onto, (y, x, scale, zero_point, low, high))
+        if as_node is not None:
+            return as_node
+    if x.is_quantized:
+        lowest, highest = (0, 255) if x.dtype == torch.quint8 else (-128, 127)
+        on_grid = torch.fake_quantize_per_tensor_affine(torch.clamp(y, low, high), scale, zero_point, lowest, highest)
+        return torch.quantize_per_tensor(on_grid, scale, zero_point, x.dtype)
+    return y
+
+
+def _pool_key(node: torch.fx.Node) -> str:
+    """What names an average pool in both the prepared and the converted graph (convert keeps both)."""
+    return str(node.target) if node.op == "call_module" else node.name
+
+
+def average_pool_output_qparams(prepared: torch.fx.GraphModule) -> dict[str, tuple[float, int, float, float]]:
+    """``{pool: (scale, zero_point, low, high)}`` of the fake-quant after each average pool / mean of a prepared graph
+    that observes its own output (engine option ``pool_observers``) with other qparams than its input's (call inside
+    :func:`trained_qparams`).
+
+    Args:
+        prepared: the prepared (fake-quant) GraphModule.
+    """
+    found = {}
+    for node in prepared.graph.nodes:
+        if not _is_average_pool(prepared, node) or not node.args:
+            continue
+        before = _per_tensor_fake_quant(prepared, node.args[0])
+        for user in node.users:
+            after = _per_tensor_fake_quant(prepared, user)
+            if after is not None and after is not before and (
+                    before is None or _per_tensor_qparams(after) != _per_tensor_qparams(before)):
+                found[_pool_key(node)] = _per_tensor_qparams(after)
+    return found
+
+
+def float_average_pools(gm: torch.fx.GraphModule, own_qparams: Optional[dict[str, tuple[float, int, float, float]]] = None) -> int:
     """Run every average pool / mean of a converted graph in float on the dequantized input and requantize
-    with the input's qparams: what the fake-quant model computes; returns how many were rewritten.
+    as the fake-quant model does: onto the pool's own trained qparams where it observed its own output
+    (``own_qparams``), else onto its input's; returns how many were rewritten.
 
     Why (measured, zoo fits at 32x32): torch.ao quantizes average pools with their input's qparams (no
     observer of their own), and the fake-quant model rounds the float mean of the fake-quantized values to
@@ -337,11 +391,15 @@ def float_average_pools(gm: torch.fx.GraphModule) -> int:
     squeeze-excitation blocks are ties a quarter / a sixteenth of the time: 60-85 % of those matched, each
     miss one whole channel's gate. Locally 22-48 dB at each SE pool, compounding to int8 vs fake-quant
     28.5 dB (efficientnet_b0) and 24.5 dB (mobilenet_v3_small); with float pools 35.1 and 45.5 dB. Costs
-    efficientnet_b0 8.1 -> 8.5 ms at batch 1, 18.7 -> 20.3 ms at batch 32 (2 cores).
+    efficientnet_b0 8.1 -> 8.5 ms at batch 1, 18.7 -> 20.3 ms at batch 32 (2 cores). A pool with an observer
+    of its own (``with_pool_observers``) converts to the same quantized pool on its input's grid, dropping the
+    trained one: requantizing onto the input's grid then rounds twice.
 
     Args:
         gm: the converted graph, changed in place (recompiled if a node was rewritten).
+        own_qparams: :func:`average_pool_output_qparams` of the prepared graph it was converted from.
     """
+    own_qparams = own_qparams or {}
     count = 0
     for node in list(gm.graph.nodes):
         if not _is_average_pool(gm, node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
@@ -350,7 +408,11 @@ def float_average_pools(gm: torch.fx.GraphModule) -> int:
         with gm.graph.inserting_before(node):
             as_float = gm.graph.call_function(dequantized, (source,))
         node.args = (as_float, *node.args[1:])
-        _requantize_after(gm, node, requantized_like, (source,))
+        own = own_qparams.get(_pool_key(node))
+        if own is None:
+            _requantize_after(gm, node, requantized_like, (source,))
+        else:
+            _requantize_after(gm, node, requantized_onto, (source, *own))
         count += 1
     if count:
         gm.recompile()
@@ -639,12 +701,16 @@ class FxEngine(QuantEngine):
             return self.ao.get_default_qconfig_mapping(spec.backend)
 
     def backend_config(self, spec: QuantSpec) -> Any:
-        """``spec.backend_config`` if set, else torch.ao's ``BackendConfig`` of ``spec.backend``.
+        """``spec.backend_config`` if set, else torch.ao's ``BackendConfig`` of ``spec.backend``, average pools
+        observing their own output unless the engine option ``pool_observers`` is false (:func:`with_pool_observers`).
 
         Args:
             spec: the spec.
         """
-        return spec.backend_config if spec.backend_config is not None else backend_config_for(spec.backend)
+        if spec.backend_config is not None:
+            return spec.backend_config
+        config = backend_config_for(spec.backend)
+        return with_pool_observers(config) if spec.options.get("pool_observers", POOL_OBSERVERS_DEFAULT) else config
 
     def takes_quantized_inputs(self, spec: QuantSpec) -> bool:
         """Whether the prepare custom config sets ``input_quantized_indexes``.
@@ -912,6 +978,7 @@ class FxEngine(QuantEngine):
             is_graph = as_trained and isinstance(module, torch.fx.GraphModule)
             pass_throughs = pass_through_output_qparams(module) if is_graph else {}
             concatenations = concatenation_output_qparams(module) if is_graph else {}
+            pools = average_pool_output_qparams(module) if is_graph else {}
             converted = self.ao.convert_fx(
                 module,
                 convert_custom_config=spec.convert_custom_config,
@@ -923,10 +990,11 @@ class FxEngine(QuantEngine):
                 clamp_quantized_weights(names[name], low, high)
         if narrowed and spec.options.get("clamp_activations", True):
             clamp_activations(converted, narrowed)
+        if as_trained:  # first: a float mean needs no pooling (pool_spatial_means), and keeps its prepared name
+            float_average_pools(converted, pools)
         if spec.options.get("pool_spatial_means", True):
             pool_spatial_means(converted)
         if as_trained:
-            float_average_pools(converted)
             requantize_pass_throughs(converted, pass_throughs)
             requantize_concatenated(converted, concatenations)
         return converted
