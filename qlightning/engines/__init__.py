@@ -42,6 +42,8 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "fast_fold": (bool, "conv-bn fuse/fold only for the variants in the graph (default true)"),
         "dropout_stochastic_depth": (bool, "torchvision StochasticDepth exported as a dropout, so eval() turns it off (default true)"),
         "split_call_sites": (bool, "each call of a stateless module called at several sites (BasicBlock's relu) is its own partition (default true)"),
+        "pool_observers": (bool, "average pools and means observe their own output instead of sharing their input's grid (as the fx "
+                           "engine's option; default true)"),
         "quantize_embeddings": (bool, "embedding tables stored as weight-only uint8 rows (torchao EmbeddingQuantizer; default false)"),
     },
 }

@@ -168,14 +168,23 @@ KNOWN: dict[tuple[str, str], dict[str, Any]] = {
                 "near-tied predictions (thread-count dependent); every layer computes as trained, what remains is "
                 "1-LSB int32 vs float accumulation differences compounding through depth",
     } for name in ("mobilenet_v2", "regnet_x_400mf")},
+    # the same edge under PT2E: SQNR rose 45.1 -> 48.6 dB when the head's pool got its own observer (stop 34), and 2 of
+    # 128 near-tied predictions of a model at 83 % flipped; the gate warns and names the first departing layer
+    ("resnet50", "pt2e"): {
+        "status": "below target",
+        "says": _GATE_NAMES_THE_ROUTE,
+        "note": "at the edge of the 99 % agreement target: int8 vs fake-quant 45-49 dB under PT2E can flip 1-2 of 128 "
+                "near-tied predictions (stop 33: 45.1 dB, 1.000; stop 34, the pools on their own grid: 48.6 dB, 0.984)",
+    },
     ("efficientnet_b0", "fx"): {
         "status": "below target",
         "says": _GATE_NAMES_THE_ROUTE,
-        "note": "int8 vs fake-quant 25-27 dB, 4-10 of 128 predictions of a model at 46-54 % flip (stop 22: 23 dB; "
-                "the figures move with the machine's float kernels, stops 24-25). The SE "
-                "blocks' average pools and the dropout compute as trained (requantize_as_trained; the pools were the "
-                "block-by-block decay); what remains is 1-LSB int32 vs float accumulation differences compounding "
-                "through 16 MBConv blocks (worst at features.6-7's depthwise convs, 22 dB)",
+        "note": "int8 vs fake-quant 31-32 dB, 4-5 of 128 predictions of a model at 44-49 % flip (stop 33: 31.6 dB / "
+                "0.961 with the SE means on their input's grid). The SE blocks' means observe their own grid "
+                "(pool_observers) and compute as trained, as does the dropout (requantize_as_trained); what remains "
+                "is 1-LSB int32 vs float accumulation differences compounding through 16 MBConv blocks (worst at "
+                "features.6-7's depthwise convs). inductor computes the same integers (31.4 dB), so lowering=auto "
+                "ships it",
     },
     ("timm_vit_tiny", "fx"): {
         "status": "below target",
@@ -190,8 +199,9 @@ KNOWN: dict[tuple[str, str], dict[str, Any]] = {
 
 # Notes for rows that meet the targets but leave something out (shown in the README table).
 NOTES: dict[tuple[str, str], str] = {
-    **{(name, "fx"): "at the edge of the 99 % agreement target (int8 vs fake-quant 33-38 dB; KNOWN accepts either outcome)"
+    **{(name, "fx"): "at the edge of the 99 % agreement target (int8 vs fake-quant 33-40 dB; KNOWN accepts either outcome)"
        for name in ("mobilenet_v2", "regnet_x_400mf")},
+    ("resnet50", "pt2e"): "at the edge of the 99 % agreement target (int8 vs fake-quant 45-49 dB; KNOWN accepts either outcome)",
     # torch.ao's FX custom-module flow for MultiheadAttention quantizes the module's inputs only (fx/convert.py,
     # _is_custom_module_mha: "Additional handling is yet to be implemented for the outputs"; torch 2.13-2.14.1)
     ("vit_small_tv", "fx"): "nn.MultiheadAttention stays float: torch.ao's FX custom-module flow for it handles the "
