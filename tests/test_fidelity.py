@@ -109,8 +109,10 @@ def test_int8_computes_what_fake_quant_trained(engine):
     sqnr, agreement = sqnr_db(fake_quant, int8), top1_agreement(fake_quant, int8)
     assert sqnr >= 30, f"{engine}: int8 vs fake-quant logits {sqnr:.1f} dB"
     assert agreement >= 0.995, f"{engine}: top-1 agreement {agreement:.4f}"
-    # today's accuracy on this seed (99.63 % FX, 98.89 % PT2E): int8 is not worse than it was
-    assert (int8.argmax(1) == y).float().mean().item() >= (0.996 if engine == "fx" else 0.988)
+    # today's accuracy on this seed (99.26 % FX, 98.89 % PT2E): int8 is not worse than it was. FX was 99.63 % before
+    # the pools observed their own grid (stop 34): one image of 270; over seeds 0-11 the two are 98.98 % and 98.95 %
+    # (one image in 3240), int8 equal to fake-quant on every seed (/tmp script, _default_job(pool_observers=...))
+    assert (int8.argmax(1) == y).float().mean().item() >= (0.992 if engine == "fx" else 0.988)
 
 
 @pytest.mark.slow  # as above
