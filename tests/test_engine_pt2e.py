@@ -780,3 +780,16 @@ def test_pt2e_average_pools_observe_their_own_grid_where_means_never_tie():
 
     with torch.no_grad():
         assert sqnr_db(prepared(x), int8(x)) > 40
+
+
+def test_per_layer_diagnosis_reads_values_not_integer_codes():
+    """The fit-end gate named resnet50 x PT2E's ``maxpool`` the first departing layer at -36.4 dB and advised keeping
+    it float: a layer whose int8 output feeds two consumers ends in a ``quantized_decomposed`` quantize with two
+    dequantizes, and the diagnosis compared that node's integer codes with the fake-quant model's floats."""
+    from qlightning.core.fidelity import per_layer_sqnr
+
+    _, prepared, x = _pt2e_pool_tie_share({})
+    int8 = get_engine("pt2e").convert(copy.deepcopy(prepared), QuantSpec(backend="x86"))
+    rows = per_layer_sqnr("", {"fake_quant": prepared, "int8": int8}, [(x,)], (("db", "int8", "fake_quant"),))
+    assert "conv.2" in {row["layer"] for row in rows}, rows  # the ReLU whose output the SE pool and the gate's mul read
+    assert min(row["db"] for row in rows) >= 30.0, rows  # int8 computes what the fake-quant graph computes

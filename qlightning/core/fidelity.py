@@ -177,6 +177,11 @@ def _is_quant_step(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     return False
 
 
+def _is_integer_quantize(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a ``quantized_decomposed`` quantize (its value: integer codes, not a quantized tensor)."""
+    return node.op == "call_function" and "quantized_decomposed.quantize_per" in str(node.target)
+
+
 def layer_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
     """``{layer (call_module target): node whose value is the layer's (re)quantized output}``.
 
@@ -200,8 +205,12 @@ def layer_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
     layers = {}
     for name, node in outputs.items():
         end = node
-        while len(end.users) == 1:
-            user = next(iter(end.users))
+        while end.users:
+            users = list(end.users)
+            if len(users) > 1 and not (_is_integer_quantize(end) and all(_is_quant_step(gm, u) for u in users)):
+                break
+            # a decomposed quantize holds integer codes: its dequantizes (one per consumer, PT2E's convert) are the value
+            user = users[0]
             if not _is_quant_step(gm, user):
                 break
             end = user
