@@ -48,6 +48,7 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
     },
 }
 
+
 def check_engine_options(engine: str, options: object, errors: list[str], key: str = "engine_options") -> None:
     """Append a message per unknown option or wrongly typed value of ``engine``'s options.
 

@@ -70,14 +70,11 @@ def backend_config_for(backend: str) -> Any:
 
 #: The average pools and means torch.ao's backend configs quantize with their input's observer
 #: (``OUTPUT_SHARE_OBSERVER_WITH_INPUT``); :func:`with_pool_observers` gives them one of their own.
-AVERAGE_POOL_PATTERNS = (
-    torch.nn.AvgPool1d, torch.nn.AvgPool2d, torch.nn.AvgPool3d,
-    torch.nn.AdaptiveAvgPool1d, torch.nn.AdaptiveAvgPool2d, torch.nn.AdaptiveAvgPool3d,
-    torch.nn.functional.avg_pool1d, torch.nn.functional.avg_pool2d, torch.nn.functional.avg_pool3d,
-    torch.avg_pool1d, torch._C._nn.avg_pool2d, torch._C._nn.avg_pool3d,
-    torch.nn.functional.adaptive_avg_pool1d, torch.nn.functional.adaptive_avg_pool2d,
-    torch.nn.functional.adaptive_avg_pool3d, torch.adaptive_avg_pool1d, torch.mean, "mean",
-)
+AVERAGE_POOL_MODULES = (torch.nn.AvgPool1d, torch.nn.AvgPool2d, torch.nn.AvgPool3d, torch.nn.AdaptiveAvgPool1d,
+                        torch.nn.AdaptiveAvgPool2d, torch.nn.AdaptiveAvgPool3d)
+AVERAGE_POOL_FUNCTIONS = (torch.nn.functional.avg_pool1d, torch.nn.functional.avg_pool2d,
+                          torch.nn.functional.avg_pool3d, torch.nn.functional.adaptive_avg_pool1d,
+                          torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_avg_pool3d, torch.mean)
 
 
 def with_pool_observers(config: Any) -> Any:
@@ -97,8 +94,8 @@ def with_pool_observers(config: Any) -> Any:
         from torch.ao.quantization.backend_config import BackendPatternConfig, ObservationType
 
     for pattern_config in list(config.configs):
-        if pattern_config.pattern is None or not any(pattern_config.pattern is p or pattern_config.pattern == p
-                                                     for p in AVERAGE_POOL_PATTERNS):
+        pattern = pattern_config.pattern
+        if pattern not in (*AVERAGE_POOL_MODULES, *AVERAGE_POOL_FUNCTIONS, "mean"):  # "mean": the Tensor method
             continue
         if pattern_config.observation_type != ObservationType.OUTPUT_SHARE_OBSERVER_WITH_INPUT:
             continue

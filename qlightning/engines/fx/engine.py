@@ -21,7 +21,10 @@ from qlightning.engines.base import (
     QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, is_fused_fake_quant, quantized_engine,
     register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
 )
-from qlightning.engines.fx.ao import backend_config_for, load_torch_ao, quiet_torch_ao, with_pool_observers
+from qlightning.engines.fx.ao import (
+    AVERAGE_POOL_FUNCTIONS, AVERAGE_POOL_MODULES, backend_config_for, load_torch_ao, quiet_torch_ao,
+    with_pool_observers,
+)
 from qlightning.engines.fx.prepare import faster_prepare
 from qlightning.engines.fx.weights import average_ranges_outside_conv_bn, default_qat_qconfig_mapping
 from qlightning.engines.fx.fast_fq import restore_fake_quant, swap_fake_quant
@@ -232,9 +235,6 @@ def pool_spatial_means(gm: torch.fx.GraphModule) -> int:
     return count
 
 
-#: engine option ``pool_observers``'s default: average pools and means observe their own output (:func:`with_pool_observers`)
-POOL_OBSERVERS_DEFAULT = True
-
 #: node meta key of a requantization the FX engine adds after an op (part of that layer's output, like a clamp)
 REQUANTIZE_META = "qlightning_requantize"
 
@@ -306,16 +306,12 @@ def requantized(x: torch.Tensor, scale: float, zero_point: int, low: float, high
     return x
 
 
-_AVERAGE_POOL_MODULES = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
-                         nn.AdaptiveAvgPool3d)
-_AVERAGE_POOL_FUNCTIONS = (nn.functional.avg_pool1d, nn.functional.avg_pool2d, nn.functional.avg_pool3d,
-                           nn.functional.adaptive_avg_pool1d, nn.functional.adaptive_avg_pool2d,
-                           nn.functional.adaptive_avg_pool3d, torch.mean, global_spatial_mean)
+_AVERAGE_POOL_FUNCTIONS = (*AVERAGE_POOL_FUNCTIONS, global_spatial_mean)
 
 
 def _is_average_pool(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if node.op == "call_module":
-        return isinstance(gm.get_submodule(str(node.target)), _AVERAGE_POOL_MODULES)
+        return isinstance(gm.get_submodule(str(node.target)), AVERAGE_POOL_MODULES)
     if node.op == "call_method":
         return node.target == "mean"
     return node.op == "call_function" and node.target in _AVERAGE_POOL_FUNCTIONS
@@ -710,7 +706,7 @@ class FxEngine(QuantEngine):
         if spec.backend_config is not None:
             return spec.backend_config
         config = backend_config_for(spec.backend)
-        return with_pool_observers(config) if spec.options.get("pool_observers", POOL_OBSERVERS_DEFAULT) else config
+        return with_pool_observers(config) if spec.options.get("pool_observers", True) else config
 
     def takes_quantized_inputs(self, spec: QuantSpec) -> bool:
         """Whether the prepare custom config sets ``input_quantized_indexes``.

@@ -152,27 +152,28 @@ def observe_pool_outputs(model: torch.fx.GraphModule) -> int:
     return count
 
 
-def pool_observing(quantizer: Any, base: type) -> Any:
-    """``quantizer`` with :func:`observe_pool_outputs` applied after its ``annotate``.
-
-    Args:
-        quantizer: the torchao quantizer to wrap (e.g. ``X86InductorQuantizer``).
-        base: torchao's ``Quantizer`` class.
-    """
+@functools.lru_cache(maxsize=None)
+def _pool_observing_quantizer(base: type) -> type:
+    """A torchao ``Quantizer`` (``base``) that runs another quantizer and then :func:`observe_pool_outputs` (made here,
+    once: torchao is imported only when the engine is used)."""
 
     class PoolObservingQuantizer(base):  # type: ignore[misc, valid-type]
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+
         def transform_for_annotation(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
-            return quantizer.transform_for_annotation(model)
+            return self.inner.transform_for_annotation(model)
 
         def annotate(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
-            model = quantizer.annotate(model)
+            model = self.inner.annotate(model)
             observe_pool_outputs(model)
             return model
 
         def validate(self, model: torch.fx.GraphModule) -> None:
-            quantizer.validate(model)
+            self.inner.validate(model)
 
-    return PoolObservingQuantizer()
+    return PoolObservingQuantizer
 
 
 @functools.lru_cache(maxsize=None)
@@ -899,7 +900,8 @@ class Pt2eEngine(QuantEngine):
 
     def quantizer(self, spec: QuantSpec) -> Any:
         """The torchao quantizer to prepare with: the spec's own ``Quantizer``, else ``X86InductorQuantizer``
-        with the default x86 config, average pools observing their own output (``pool_observers``); composed after an ``EmbeddingQuantizer`` with ``quantize_embeddings``.
+        with the default x86 config, average pools observing their own output (``pool_observers``); composed after an
+        ``EmbeddingQuantizer`` with ``quantize_embeddings``.
 
         Args:
             spec: the resolved spec.
@@ -912,7 +914,7 @@ class Pt2eEngine(QuantEngine):
             if spec.is_qat:
                 self._average_linear_ranges(quantizer, "default")
         if type(quantizer) is self.ao.X86InductorQuantizer and spec.options.get("pool_observers", True):
-            quantizer = pool_observing(quantizer, self.ao.Quantizer)  # not a custom Quantizer subclass's choices
+            quantizer = _pool_observing_quantizer(self.ao.Quantizer)(quantizer)  # not a custom subclass's choices
         if spec.options.get("quantize_embeddings", False):
             # weight-only uint8 rows (per-row float scale and offset) for aten.embedding, which
             # X86InductorQuantizer leaves float; a language model's embedding tables are often half its size
