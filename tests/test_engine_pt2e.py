@@ -747,7 +747,7 @@ def test_torchscript_artifact_loads_with_plain_torch_in_a_fresh_process(tmp_path
 def _pt2e_pool_tie_share(options: dict) -> tuple[float, nn.Module, torch.Tensor]:
     """The share of the SE pool's float outputs exactly on a half step of the grid they are quantized to, in a
     PT2E fake-quant model of :class:`test_fx_convert.DigitsSqueezeExcite` (8 observing steps on digits)."""
-    from test_fx_convert import DigitsSqueezeExcite, _digit_images
+    from test_fx_convert import DigitsSqueezeExcite, _digit_images, half_step_share
 
     x = _digit_images()
     torch.manual_seed(0)
@@ -764,8 +764,7 @@ def _pt2e_pool_tie_share(options: dict) -> tuple[float, nn.Module, torch.Tensor]
     with torch.no_grad():
         prepared.eval()(x)
     handle.remove()
-    steps = seen[0].double() / float(fake_quant.scale.reshape(-1)[0])
-    return float(((steps - steps.floor() - 0.5).abs() < 1e-6).double().mean()), prepared, x
+    return half_step_share(seen[0], float(fake_quant.scale.reshape(-1)[0])), prepared, x
 
 
 def test_pt2e_average_pools_observe_their_own_grid_where_means_never_tie():

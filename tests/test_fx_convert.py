@@ -205,8 +205,12 @@ def _exact_tie_share(prepared: torch.fx.GraphModule, pool: str, x: torch.Tensor)
     with torch.no_grad():
         prepared(x)
     handle.remove()
-    scale = float(fake_quant.scale.reshape(-1)[0])
-    steps = seen[0].double() / scale
+    return half_step_share(seen[0], float(fake_quant.scale.reshape(-1)[0]))
+
+
+def half_step_share(values: torch.Tensor, scale: float) -> float:
+    """The share of ``values`` exactly on a half step of a grid of step ``scale`` (a rounding tie)."""
+    steps = values.double() / scale
     return float(((steps - steps.floor() - 0.5).abs() < 1e-6).double().mean())
 
 
