@@ -9,6 +9,7 @@ See :mod:`qlightning.run.export` for why each route was chosen.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -326,9 +327,10 @@ def clamps_before_quantize(gm: torch.fx.GraphModule) -> int:
     int8 conv with a uint8 output, where the chain left a separate kernel (after a ReLU, on a float32
     output) per conv: resnet18 FX at batch 32, 2 threads, 2.79x float -> 3.38x. Pools, reshapes and linears
     keep the chain (inductor fuses them with the full-range quantize after them, not with a clamp; linear has
-    no hardtanh fusion). For inductor only: onnxruntime fuses a conv into ``QLinearConv`` only when it feeds the
-    quantize directly.
-    Returns how many chains changed.
+    no hardtanh fusion). A ReLU6 (any hardtanh or ReLU) that torch.ao left on the conv's quantized output, on the
+    same grid, goes into the conv's clamp too (:func:`_fold_clamping_activations`). For inductor only:
+    onnxruntime fuses a conv into ``QLinearConv`` only when it feeds the quantize directly.
+    Returns how many chains and activations changed.
 
     Args:
         gm: the q/dq graph after :func:`explicit_activation_clamps`, changed in place (recompiled if anything changed).
@@ -355,9 +357,76 @@ def clamps_before_quantize(gm: torch.fx.GraphModule) -> int:
             continue  # a pool, reshape or linear fuses with the quantize after it as the chain stands
         clamp.args = (x, lo, hi)
         changed += 1
+    changed += _fold_clamping_activations(gm)
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()
+    return changed
+
+
+# ReLU6 and other clamping activations that torch.ao does not fuse into the conv: (min, max) from a node's arguments
+_CLAMPING_ACTIVATIONS: dict[Any, Callable[[tuple[Any, ...]], tuple[Any, Any]]] = {
+    torch.ops.aten.hardtanh.default: lambda args: (args[1] if len(args) > 1 else -1.0, args[2] if len(args) > 2 else 1.0),
+    torch.ops.aten.hardtanh_.default: lambda args: (args[1] if len(args) > 1 else -1.0, args[2] if len(args) > 2 else 1.0),
+    torch.ops.aten.relu.default: lambda args: (0.0, math.inf),
+    torch.ops.aten.relu_.default: lambda args: (0.0, math.inf),
+}
+
+
+def _only_user(node: Any, target: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target is target and len(node.users) == 1
+
+
+def _grid(node: torch.fx.Node) -> tuple[Any, ...]:
+    """A per-tensor q/dq node's scale, zero point and dtype (a dequantize's range arguments change nothing)."""
+    return node.args[1], node.args[2], node.args[5]
+
+
+def _fold_clamping_activations(gm: torch.fx.GraphModule) -> int:
+    """``clamp(conv) -> q -> dq -> hardtanh(a, b) -> q`` on one grid -> ``clamp(conv, max(lo, a), min(hi, b)) -> q``.
+
+    torch.ao FX does not fuse ReLU6 into a conv: the int8 model quantizes the conv's output, clamps it on the
+    same grid and quantizes again, and inductor compiled the middle into a separate uint8 kernel per conv
+    (34 on mobilenet_v2). One clamp gives the same integers: the conv's bounds are grid points, and a bound
+    ``b`` between grid points rounds to ``round(b / s)`` either way (a value that rounds above ``b`` rounds to
+    that same point). Only where every quantize and dequantize of the chain has one user and the same
+    scale, zero point and range, and the bounds overlap. Returns how many activations were folded.
+    """
+    qd = quantized_decomposed_ops()
+    q_op, dq_op = qd.quantize_per_tensor.default, qd.dequantize_per_tensor.default
+    changed = 0
+    for act in list(gm.graph.nodes):
+        if act.op != "call_function" or act.target not in _CLAMPING_ACTIVATIONS or act.kwargs:
+            continue
+        a, b = _CLAMPING_ACTIVATIONS[act.target](act.args)
+        dq = act.args[0]
+        if not _only_user(dq, dq_op) or not _only_user(dq.args[0], q_op):
+            continue
+        q = dq.args[0]
+        grid = tuple(q.args[1:6])
+        clamp = q.args[0]
+        if (_grid(dq) != _grid(q) or not _only_user(clamp, torch.ops.aten.clamp.default)
+                or len(clamp.args) != 3 or not (isinstance(clamp.args[0], torch.fx.Node) and clamp.args[0].target in _CONVOLUTIONS)):
+            continue
+        lo, hi = [clamp.args[1], float(a)], [clamp.args[2], float(b)]
+        # after the activation: its quantize on the grid, or explicit_activation_clamps' chain back onto it
+        end = next(iter(act.users)) if len(act.users) == 1 else None
+        if not (isinstance(end, torch.fx.Node) and end.target is q_op and tuple(end.args[1:6]) == grid):
+            continue
+        if len(end.users) == 1 and _only_user(next(iter(end.users)), dq_op):
+            dq2 = next(iter(end.users))
+            clamp2 = next(iter(dq2.users))
+            tail = next(iter(clamp2.users)) if clamp2.target is torch.ops.aten.clamp.default and len(clamp2.users) == 1 else None
+            if _grid(dq2) == _grid(q) and len(clamp2.args) == 3 and isinstance(tail, torch.fx.Node) and (
+                    tail.target is q_op and tuple(tail.args[1:6]) == grid):
+                lo.append(clamp2.args[1])
+                hi.append(clamp2.args[2])
+                end = tail
+        if not all(isinstance(v, (int, float)) for v in (*lo, *hi)) or max(lo) > min(hi):
+            continue
+        clamp.args = (clamp.args[0], max(lo), min(hi))
+        end.replace_all_uses_with(q)
+        changed += 1
     return changed
 
 
