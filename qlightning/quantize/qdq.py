@@ -365,11 +365,10 @@ def clamps_before_quantize(gm: torch.fx.GraphModule) -> int:
 
 
 # ReLU6 and other clamping activations that torch.ao does not fuse into the conv: (min, max) from a node's arguments
+# (the exported graph is functional: no in-place variants, which dead-code elimination would keep)
 _CLAMPING_ACTIVATIONS: dict[Any, Callable[[tuple[Any, ...]], tuple[Any, Any]]] = {
     torch.ops.aten.hardtanh.default: lambda args: (args[1] if len(args) > 1 else -1.0, args[2] if len(args) > 2 else 1.0),
-    torch.ops.aten.hardtanh_.default: lambda args: (args[1] if len(args) > 1 else -1.0, args[2] if len(args) > 2 else 1.0),
     torch.ops.aten.relu.default: lambda args: (0.0, math.inf),
-    torch.ops.aten.relu_.default: lambda args: (0.0, math.inf),
 }
 
 
@@ -403,7 +402,7 @@ def _fold_clamping_activations(gm: torch.fx.GraphModule) -> int:
         if not _only_user(dq, dq_op) or not _only_user(dq.args[0], q_op):
             continue
         q = dq.args[0]
-        grid = tuple(q.args[1:6])
+        q_args = tuple(q.args[1:6])  # scale, zero point, range, dtype
         clamp = q.args[0]
         if (_grid(dq) != _grid(q) or not _only_user(clamp, torch.ops.aten.clamp.default)
                 or len(clamp.args) != 3 or not (isinstance(clamp.args[0], torch.fx.Node) and clamp.args[0].target in _CONVOLUTIONS)):
@@ -411,14 +410,14 @@ def _fold_clamping_activations(gm: torch.fx.GraphModule) -> int:
         lo, hi = [clamp.args[1], float(a)], [clamp.args[2], float(b)]
         # after the activation: its quantize on the grid, or explicit_activation_clamps' chain back onto it
         end = next(iter(act.users)) if len(act.users) == 1 else None
-        if not (isinstance(end, torch.fx.Node) and end.target is q_op and tuple(end.args[1:6]) == grid):
+        if not (isinstance(end, torch.fx.Node) and end.target is q_op and tuple(end.args[1:6]) == q_args):
             continue
         if len(end.users) == 1 and _only_user(next(iter(end.users)), dq_op):
             dq2 = next(iter(end.users))
             clamp2 = next(iter(dq2.users))
             tail = next(iter(clamp2.users)) if clamp2.target is torch.ops.aten.clamp.default and len(clamp2.users) == 1 else None
             if _grid(dq2) == _grid(q) and len(clamp2.args) == 3 and isinstance(tail, torch.fx.Node) and (
-                    tail.target is q_op and tuple(tail.args[1:6]) == grid):
+                    tail.target is q_op and tuple(tail.args[1:6]) == q_args):
                 lo.append(clamp2.args[1])
                 hi.append(clamp2.args[2])
                 end = tail
