@@ -499,13 +499,30 @@ class DigitsReLU6(nn.Module):  # MobileNetV2's conv-bn-ReLU6, which torch.ao doe
         return self.head(self.features(x).mean((2, 3)))
 
 
+class DigitsConvNeXt(nn.Module):  # LayerNorm, GELU, layer scale and residual add stay float under FX
+    def __init__(self, c=16):
+        super().__init__()
+        self.stem = nn.Conv2d(1, c, 3, padding=1)
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.fc1, self.act, self.fc2 = nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c)
+        self.gamma = nn.Parameter(torch.full((c,), 0.5))
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        y = self.norm(self.dw(x).permute(0, 2, 3, 1))
+        y = (self.fc2(self.act(self.fc1(y))) * self.gamma).permute(0, 3, 1, 2)
+        return self.head((x + y).mean((2, 3)))
+
+
 torch.manual_seed(0)
 dm = DigitsDataModule(seed=0)
 dm.setup()
 x = dm.splits["train"].tensors[0][:128]
 engine, spec = get_engine("fx"), QuantSpec(backend="x86")
 results = {}
-for name, net in (("digits_cnn", DigitsCNN()), ("relu6", DigitsReLU6())):
+for name, net in (("digits_cnn", DigitsCNN()), ("relu6", DigitsReLU6()), ("convnext", DigitsConvNeXt())):
     counters.clear()
     prepared = engine.prepare(net, Inputs((x[:1],)), spec)
     engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
@@ -541,7 +558,10 @@ def test_inductor_lowers_an_fx_model_to_int8_kernels_in_a_process_that_never_use
     compiled the q/dq graph into float convolutions (as faithful, at float speed). A fresh interpreter, the
     FX graph cache off (a cached graph skips the passes, and their counters). Also: x86's activation clamps
     reach inductor in the form it fuses into the int8 conv (a conv with a float32 output and a separate
-    clamp-and-quantize kernel before), a ReLU6 too (a separate uint8 kernel per conv before)."""
+    clamp-and-quantize kernel before), a ReLU6 too (a separate uint8 kernel per conv before). A ConvNeXt block,
+    whose clamps after GELU and LayerNorm reach inductor as narrow quantizes, compiles to what its fake-quant model
+    computes too (it does not show a dropped narrow range: its activations stay inside their calibrated ranges;
+    the quick test of the rewrite does)."""
     import json
     import os
     import subprocess
@@ -631,6 +651,56 @@ def test_relu6_folds_into_the_conv_clamp_with_the_same_integers():
     with torch.no_grad():
         for batch in (x[:64], 8.0 * x[64:128], -x[128:192], 0.5 * x[192:256]):
             assert all(torch.equal(a, b) for a, b in zip(chain(batch), fused(batch)))
+
+
+class DigitsConvNeXt(nn.Module):
+    """A ConvNeXt block on digits (depthwise 7x7, LayerNorm over channels-last, Linear-GELU-Linear, layer scale,
+    residual add): under FX the LayerNorm, GELU, scale and add stay float between int8 tensors."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, c, 3, padding=1)
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.fc1, self.act, self.fc2 = nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c)
+        self.gamma = nn.Parameter(torch.full((c,), 0.5))
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        y = self.norm(self.dw(x).permute(0, 2, 3, 1))
+        y = (self.fc2(self.act(self.fc1(y))) * self.gamma).permute(0, 3, 1, 2)
+        return self.head((x + y).mean((2, 3)))
+
+
+def test_clamp_chains_after_float_ops_become_one_narrow_quantize_with_the_same_integers():
+    """After a float op (GELU, LayerNorm, the layer scale, the residual add) x86's 0..127 clamp chain reaches
+    inductor as one narrow-range quantize: bit for bit what the chain computes (timm convnext_atto FX: its kernels
+    had read 5x slower than PT2E's)."""
+    from qlightning.quantize.qdq import clamps_before_quantize, qdq_program
+
+    torch.manual_seed(0)
+    dm = DigitsDataModule(seed=0)
+    dm.setup()
+    x = dm.splits["train"].tensors[0][:256]
+    engine, spec = get_engine("fx"), QuantSpec(backend="x86")
+    prepared = engine.prepare(DigitsConvNeXt(), Inputs((x[:1],)), spec)
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
+    with torch.no_grad():
+        for i in range(0, 256, 64):
+            prepared(0.25 * x[i:i + 64])  # ranges the test batches exceed: their clamps apply
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
+    fake_quant = copy.deepcopy(prepared).eval()
+    int8 = engine.convert(prepared, spec)
+    program = qdq_program(reference_qdq_module(fake_quant, int8), Inputs((x[:32],)))
+    chain, fused = program.program.module(), program.program.module()
+    clamps_before_quantize(fused)
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    narrow = {n.args[0].target for n in fused.graph.nodes if n.target is quantize and n.args[4] < 255}
+    assert {torch.ops.aten.gelu.default, torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor} <= narrow, narrow
+    with torch.no_grad():
+        for batch in (x[:64], 8.0 * x[64:128], -x[128:192], 0.5 * x[192:256]):
+            assert torch.equal(chain(batch), fused(batch))
 
 
 def test_inductor_without_torchao_passes_is_refused_with_the_reason(trained_digits, monkeypatch):
