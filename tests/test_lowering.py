@@ -608,7 +608,9 @@ class DigitsReLU6(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU6())
-        self.depthwise = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), nn.BatchNorm2d(16), nn.ReLU6())
+        # in place, as torchvision's MobileNetV2 has it (the exported graph keeps hardtanh_)
+        self.depthwise = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), nn.BatchNorm2d(16),
+                                       nn.ReLU6(inplace=True))
         self.pointwise = nn.Sequential(nn.Conv2d(16, 32, 1, bias=False), nn.BatchNorm2d(32))
         self.head = nn.Linear(32, 10)
         for bn in (self.stem[1], self.depthwise[1]):

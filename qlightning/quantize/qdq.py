@@ -365,11 +365,13 @@ def clamps_before_quantize(gm: torch.fx.GraphModule) -> int:
     return changed
 
 
-# ReLU6 and other clamping activations that torch.ao does not fuse into the conv: (min, max) from a node's arguments
-# (the exported graph is functional: no in-place variants, which dead-code elimination would keep)
+# ReLU6 and other clamping activations that torch.ao does not fuse into the conv: (min, max) from a node's arguments.
+# In place too: torchvision's MobileNetV2 has ReLU6(inplace=True), and the exported graph keeps hardtanh_.
 _CLAMPING_ACTIVATIONS: dict[Any, Callable[[tuple[Any, ...]], tuple[Any, Any]]] = {
     torch.ops.aten.hardtanh.default: lambda args: (args[1] if len(args) > 1 else -1.0, args[2] if len(args) > 2 else 1.0),
+    torch.ops.aten.hardtanh_.default: lambda args: (args[1] if len(args) > 1 else -1.0, args[2] if len(args) > 2 else 1.0),
     torch.ops.aten.relu.default: lambda args: (0.0, math.inf),
+    torch.ops.aten.relu_.default: lambda args: (0.0, math.inf),
 }
 
 
@@ -426,6 +428,12 @@ def _fold_clamping_activations(gm: torch.fx.GraphModule) -> int:
             continue
         clamp.args = (clamp.args[0], max(lo), min(hi))
         end.replace_all_uses_with(q)
+        # erased here: dead-code elimination keeps an in-place activation (a mutating op counts as impure)
+        node = end
+        while node is not q and not node.users:
+            before = node.args[0]
+            gm.graph.erase_node(node)
+            node = before
         changed += 1
     return changed
 
