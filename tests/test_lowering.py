@@ -720,3 +720,20 @@ def test_inductor_without_torchao_passes_is_refused_with_the_reason(trained_digi
     choice = choose_lowering(fake_quant, int8, x[:32], candidates=("fx", "inductor"), timer=fixed_timer({"fx": 1.0}))
     assert choice.name == "fx"
     assert "torchao" in choice.errors["inductor"] and "float" in choice.errors["inductor"], choice.errors
+
+
+def test_each_timing_block_starts_after_the_previous_runtime_settles(monkeypatch):
+    """``lowering=auto`` times the candidates in blocks taken in turn; onnxruntime's worker threads spin after its
+    block and slowed the next one (inductor's mobilenet_v2 FX module read 10.5-11.1 ms there, 4.8 ms without
+    onnxruntime among the candidates, and auto kept the slower FX module). Every block starts after a pause."""
+    from qlightning.core import metrics
+
+    events: list = []
+    monkeypatch.setattr(metrics.time, "sleep", lambda seconds: events.append(seconds))
+    fns = {name: (lambda name=name: events.append(name)) for name in ("fx", "onnxruntime", "inductor")}
+    times = metrics.block_times(fns, repeats=4, warmup=2, rounds=2, clock=lambda: 0.0)
+    assert {name: len(t) for name, t in times.items()} == {"fx": 4, "onnxruntime": 4, "inductor": 4}
+    calls = [i for i, e in enumerate(events) if isinstance(e, str)]
+    starts = [i for i in calls if i == 0 or events[i - 1] != events[i]]  # the first call of each block
+    assert len(starts) == 6  # 3 runtimes x 2 rounds
+    assert all(i > 0 and events[i - 1] == 0.05 for i in starts), events

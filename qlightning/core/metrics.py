@@ -90,7 +90,7 @@ def top1_agreement(reference: torch.Tensor, candidate: torch.Tensor) -> Optional
 
 def block_times(
     fns: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 5, rounds: int = 3,
-    clock: Optional[Callable[[], float]] = None,
+    clock: Optional[Callable[[], float]] = None, settle_s: float = 0.05,
 ) -> dict[str, list[float]]:
     """Seconds of each timed call of each function: consecutive calls of one function in blocks, the
     blocks of all functions taken in turn ``rounds`` times, so drift hits all alike.
@@ -98,7 +98,9 @@ def block_times(
     Not call by call: a runtime's worker threads spin-wait for a while after each call (onnxruntime's pool,
     GNU OpenMP's), and on a small machine they slow whatever runs next; alternating onnxruntime and PyTorch
     calls on 2 cores read a float ResNet-18 at 98 ms against 26 ms in blocks (torch 2.14.1). One runtime at
-    a time is how a deployed model runs.
+    a time is how a deployed model runs. Blocks alone were not enough: right after onnxruntime's block, inductor's
+    mobilenet_v2 FX module read 10.5-11.1 ms in three runs of ``lowering=auto`` (4.8 ms without onnxruntime
+    among the candidates), and auto kept the 7 ms FX module; each block now starts after a pause.
 
     Args:
         fns: ``{name: zero-argument callable}`` to time side by side.
@@ -106,6 +108,7 @@ def block_times(
         warmup: untimed calls of each before its first block (one before each later block: the pool wakes).
         rounds: how many blocks each function's timed calls are split into.
         clock: the clock read around each call, in seconds (``None``: ``time.perf_counter``).
+        settle_s: seconds to wait before each block, while the previous runtime's threads stop spinning.
     """
     clock = clock or time.perf_counter
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -113,6 +116,7 @@ def block_times(
     for r in range(rounds):
         block = repeats // rounds + (1 if r < repeats % rounds else 0)
         for name, fn in fns.items():
+            time.sleep(settle_s)  # the previous runtime's worker threads stop spinning before this one's block
             for i in range(-(warmup if r == 0 else min(warmup, 1)), block):
                 start = clock()
                 fn()
