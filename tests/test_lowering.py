@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -600,6 +601,32 @@ def test_clamps_before_quantize_compute_the_same_integers(trained_digits):
             assert torch.equal(chain(batch), fused(batch))
 
 
+def _qdq_graphs_of(net: nn.Module, calibration_scale: float = 1.0,
+                   after_calibration: Any = None) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, torch.Tensor]:
+    """``net`` FX-prepared for x86, observed on 256 digits (times ``calibration_scale``), converted; two copies of
+    its q/dq graph (the chain as exported, and one to rewrite) and the digits."""
+    from qlightning.quantize.qdq import qdq_program
+
+    torch.manual_seed(0)
+    dm = DigitsDataModule(seed=0)
+    dm.setup()
+    x = dm.splits["train"].tensors[0][:256]
+    engine, spec = get_engine("fx"), QuantSpec(backend="x86")
+    prepared = engine.prepare(net, Inputs((x[:1],)), spec)
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
+    with torch.no_grad():
+        for i in range(0, 256, 64):
+            prepared(calibration_scale * x[i:i + 64])
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
+    if after_calibration is not None:
+        with torch.no_grad():
+            after_calibration(prepared)
+    fake_quant = copy.deepcopy(prepared).eval()
+    int8 = engine.convert(prepared, spec)
+    program = qdq_program(reference_qdq_module(fake_quant, int8), Inputs((x[:32],)))
+    return program.program.module(), program.program.module(), x
+
+
 class DigitsReLU6(nn.Module):
     """MobileNetV2's conv-bn-ReLU6 blocks on digits: torch.ao fuses conv-bn but leaves each ReLU6 on the conv's
     quantized output. BatchNorm scales of 12 put the convs' ranges beyond 6, so the ReLU6's bound is the one that
@@ -626,23 +653,9 @@ def test_relu6_folds_into_the_conv_clamp_with_the_same_integers():
     """A ReLU6 on a conv's quantized output (torch.ao does not fuse it) went to inductor as a separate uint8
     kernel per conv (34 on mobilenet_v2: FX 1.8x float where PT2E, which fuses it, ran 2.9x). It now joins the
     conv's clamp: the same integers as the chain, bit for bit, in range, far outside it and at its ends."""
-    from qlightning.quantize.qdq import clamps_before_quantize, qdq_program
+    from qlightning.quantize.qdq import clamps_before_quantize
 
-    torch.manual_seed(0)
-    dm = DigitsDataModule(seed=0)
-    dm.setup()
-    x = dm.splits["train"].tensors[0][:256]
-    engine, spec = get_engine("fx"), QuantSpec(backend="x86")
-    prepared = engine.prepare(DigitsReLU6(), Inputs((x[:1],)), spec)
-    engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
-    with torch.no_grad():
-        for i in range(0, 256, 64):
-            prepared(x[i:i + 64])
-    engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
-    fake_quant = copy.deepcopy(prepared).eval()
-    int8 = engine.convert(prepared, spec)
-    program = qdq_program(reference_qdq_module(fake_quant, int8), Inputs((x[:32],)))
-    chain, fused = program.program.module(), program.program.module()
+    chain, fused, x = _qdq_graphs_of(DigitsReLU6())
     hardtanh = (torch.ops.aten.hardtanh.default, torch.ops.aten.hardtanh_.default)
     assert sum(n.target in hardtanh for n in chain.graph.nodes) == 2
     assert clamps_before_quantize(fused) == 3 + 2  # three convs' clamps, two ReLU6s folded into them
@@ -679,25 +692,11 @@ def test_clamp_chains_after_float_ops_become_one_narrow_quantize_with_the_same_i
     """After a float op (GELU, LayerNorm and the permute after it) x86's 0..127 clamp chain reaches inductor as
     one narrow-range quantize: bit for bit what the chain computes (timm convnext_atto FX: its kernels
     had read 5x slower than PT2E's)."""
-    from qlightning.quantize.qdq import clamps_before_quantize, qdq_program
+    from qlightning.quantize.qdq import clamps_before_quantize
 
-    torch.manual_seed(0)
-    dm = DigitsDataModule(seed=0)
-    dm.setup()
-    x = dm.splits["train"].tensors[0][:256]
-    engine, spec = get_engine("fx"), QuantSpec(backend="x86")
-    prepared = engine.prepare(DigitsConvNeXt(), Inputs((x[:1],)), spec)
-    engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
-    with torch.no_grad():
-        for i in range(0, 256, 64):
-            prepared(0.25 * x[i:i + 64])  # ranges the test batches exceed: their clamps apply
-    engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
-    with torch.no_grad():
-        prepared.norm.weight.mul_(4.0)  # LayerNorm's output (and the GELU's after it) beyond their calibrated ranges
-    fake_quant = copy.deepcopy(prepared).eval()
-    int8 = engine.convert(prepared, spec)
-    program = qdq_program(reference_qdq_module(fake_quant, int8), Inputs((x[:32],)))
-    chain, fused = program.program.module(), program.program.module()
+    # ranges the test batches exceed, and LayerNorm's output (and the GELU's after it) beyond them: clamps apply
+    chain, fused, x = _qdq_graphs_of(DigitsConvNeXt(), calibration_scale=0.25,
+                                     after_calibration=lambda prepared: prepared.norm.weight.mul_(4.0))
     clamps_before_quantize(fused)
     quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
     narrow = {n.args[0].target for n in fused.graph.nodes if n.target is quantize and n.args[4] < 255}
