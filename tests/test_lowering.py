@@ -434,6 +434,38 @@ def test_inductor_module_compiles_once_for_a_shape_whether_or_not_under_inferenc
     assert all(torch.equal(out, outs[0]) for out in outs)
 
 
+def test_inductor_module_runs_with_the_python_wrapper_when_the_cpp_one_fails_to_compile():
+    """``lowering=inductor`` calls its kernels from C++ (``cpp_wrapper``); a graph whose C++ wrapper does not
+    compile must still run, with the Python wrapper, not lose the candidate. An error that is not a compile
+    failure is raised as it is. (No compile here: the compiled callable is a stand-in that reads the config.)"""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    calls = []
+
+    def compiled(x):
+        calls.append(inductor_config.cpp_wrapper)
+        if inductor_config.cpp_wrapper:
+            raise BackendCompilerFailed(None, RuntimeError("C++ compile error"), None)
+        return x + 1
+
+    module = InductorModule(nn.Identity())
+    module._compiled = compiled
+    assert module.wrapper == "cpp"
+    assert torch.equal(module(torch.zeros(2)), torch.ones(2))
+    assert calls == [True, False] and module.wrapper == "python"
+    assert torch.equal(module(torch.zeros(2)), torch.ones(2)) and calls == [True, False, False]
+
+    def broken(x):
+        raise ValueError("not a compile failure")
+
+    module = InductorModule(nn.Identity())
+    module._compiled = broken
+    with pytest.raises(ValueError, match="not a compile failure"):
+        module(torch.zeros(2))
+    assert module.wrapper == "cpp"
+
+
 def test_keyword_inputs_bind_to_positions_through_a_lowering_wrapper():
     """The report and parity gate call every runtime with positional inputs; a submodule called with
     keywords (``encoder(input_ids=..., attention_mask=...)``) must bind through the wrapper to the
@@ -536,6 +568,7 @@ for name, net in (("digits_cnn", DigitsCNN()), ("relu6", DigitsReLU6()), ("convn
     int8 = engine.convert(copy.deepcopy(prepared), spec)
     torchao_before = "torchao.quantization.pt2e.quantizer.x86_inductor_quantizer" in sys.modules
     module = BUILDERS["inductor"](LoweringContext(fake_quant, int8, Inputs((x[:32],))))
+    module.wrapper = "python"  # its generated code is the one read below; the C++ wrapper calls the same kernels
     with torch.no_grad():
         out, code = run_and_get_code(module, x[:32])
         ref = fake_quant.eval()(x[:32])
@@ -548,6 +581,12 @@ for name, net in (("digits_cnn", DigitsCNN()), ("relu6", DigitsReLU6()), ("convn
         "conv_calls": len(convs), "uint8_hardtanh": sum("torch.uint8, 'hardtanh'" in line for line in convs),
         # elementwise kernels of their own that clamp (a ReLU6 on a conv's uint8 output)
         "hardtanh_kernels": len(set(re.findall(r"cpp_fused\w*hardtanh\w*", code)))}
+    # what lowering=inductor runs: the same graph called from C++ (cpp_wrapper), the same outputs
+    cpp = BUILDERS["inductor"](LoweringContext(fake_quant, int8, Inputs((x[:32],))))
+    with torch.no_grad():
+        cpp_out, cpp_code = run_and_get_code(cpp, x[:32])
+    results[name].update(wrapper=cpp.wrapper, cpp_equal=torch.equal(cpp_out, out),
+                         cpp_qconv_calls="\n".join(cpp_code).count("aoti_torch_cpu__qconv_pointwise"))
 print(json.dumps(results))
 """
 
@@ -581,6 +620,9 @@ def test_inductor_lowers_an_fx_model_to_int8_kernels_in_a_process_that_never_use
         assert result["conv_calls"] == result["qconv"] == result["uint8_hardtanh"], (name, result)
         assert result["hardtanh_kernels"] == 0, (name, result)  # no ReLU6 left in a kernel of its own
         assert result["sqnr_db"] >= 25.0, (name, result)  # faithful to the fake-quant model (lowering's threshold)
+        # the C++ wrapper compiled (no fallback to the Python one), calls every int8 conv, computes the same
+        assert result["wrapper"] == "cpp" and result["cpp_equal"], (name, result)
+        assert result["cpp_qconv_calls"] == result["conv_calls"], (name, result)
 
 
 def test_clamps_before_quantize_compute_the_same_integers(trained_digits):

@@ -126,17 +126,25 @@ def _outside_inference_mode(tensor: torch.Tensor) -> torch.Tensor:
 class InductorModule(nn.Module):
     """A q/dq graph compiled by inductor with ``freezing`` (int8 conv / linear via oneDNN).
 
+    The code that calls the kernels is C++ (inductor's ``cpp_wrapper``) where it compiles: the Python
+    wrapper spent about 1 ms of a 5 ms call of a small int8 conv net at batch 32 calling 50-100 kernels and
+    checking each one's sizes (torch 2.14.1, 2 cores: shufflenet_v2 FX 5.8 -> 4.9 ms, mobilenet_v2 FX
+    5.2 -> 4.5 ms, the same outputs; ``notes/perf.md`` section 18). A graph whose C++ wrapper does not
+    compile runs with the Python one (``wrapper`` says which).
+
     Args:
         graph: the q/dq module to compile (an exported program's module, exported in eval mode).
         dynamic: passed to ``torch.compile(dynamic=...)``; compiling happens on the first call, and again for
             each new input shape. (Not ``None``: with ``freezing`` on, the dynamic-shape recompile of a
             quantized conv net fails a stride assertion in inductor's generated code, torch 2.13.)
+        cpp_wrapper: try inductor's C++ wrapper first (``False``: the Python wrapper only).
     """
 
-    def __init__(self, graph: nn.Module, dynamic: bool = False) -> None:
+    def __init__(self, graph: nn.Module, dynamic: bool = False, cpp_wrapper: bool = True) -> None:
         super().__init__()
         self.graph = graph  # an exported program's module: eval() raises, and it was exported in eval mode
         self.dynamic = dynamic
+        self.wrapper = "cpp" if cpp_wrapper else "python"
         self._compiled: Any = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,7 +154,7 @@ class InductorModule(nn.Module):
             args: positional inputs.
             kwargs: keyword inputs.
         """
-        import torch._inductor.config as inductor_config
+        from torch._dynamo.exc import BackendCompilerFailed
 
         if self._compiled is None:
             from qlightning.engines.pt2e.inductor import x86_int8_passes
@@ -161,7 +169,21 @@ class InductorModule(nn.Module):
         # autograd keys, and the mode hides them on the others): Lightning validates and tests under it, and
         # every mix of the two compiled the graph again (six compiles of MiniLM's encoder in one run)
         args, kwargs = tree_map_only(torch.Tensor, _outside_inference_mode, (args, kwargs))
-        with torch.inference_mode(False), inductor_config.patch(freezing=True), torch.no_grad():
+        try:
+            return self._run(args, kwargs)
+        except BackendCompilerFailed:
+            if self.wrapper != "cpp":
+                raise
+            # a failed compile leaves no cache entry, so the next call compiles again, here with the Python wrapper
+            self.wrapper = "python"
+            return self._run(args, kwargs)
+
+    def _run(self, args: Any, kwargs: Any) -> Any:
+        import torch._inductor.config as inductor_config
+
+        with torch.inference_mode(False), torch.no_grad(), inductor_config.patch(
+            freezing=True, cpp_wrapper=self.wrapper == "cpp"
+        ):
             return self._compiled(*args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
