@@ -634,7 +634,9 @@ def test_clamps_before_quantize_compute_the_same_integers(trained_digits):
     fake_quant, int8, x, _ = trained_digits
     program = qdq_program(reference_qdq_module(fake_quant, int8), Inputs((x[:32],)))
     chain, fused = program.program.module(), program.program.module()
-    assert clamps_before_quantize(fused) == 3  # DigitsCNN's three conv-bn(-relu)s
+    # DigitsCNN's three conv-bn(-relu)s; the flatten's requantize and clamp on its input's grid
+    # (_drop_identity_requantizes, the test below)
+    assert clamps_before_quantize(fused) == 3 + 2
     targets = [n.target for n in fused.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.relu.default not in targets  # folded into the clamps
     assert torch.ops.aten.relu.default in [n.target for n in chain.graph.nodes]  # a graph of its own
@@ -743,6 +745,75 @@ def test_clamp_chains_after_float_ops_become_one_narrow_quantize_with_the_same_i
     quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
     narrow = {n.args[0].target for n in fused.graph.nodes if n.target is quantize and n.args[4] < 255}
     assert {torch.ops.aten.gelu.default, torch.ops.aten.permute.default} <= narrow, narrow  # GELU; LayerNorm's permute
+    with torch.no_grad():
+        for batch in (x[:64], 8.0 * x[64:128], -x[128:192], 0.5 * x[192:256]):
+            assert torch.equal(chain(batch), fused(batch))
+
+
+class DigitsShuffle(nn.Module):
+    """ShuffleNetV2's unit on digits: split the channels, a branch on one half, concatenate, shuffle the channels
+    (view, transpose, contiguous, view) and split again into two convs."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.branch = nn.Sequential(nn.Conv2d(c // 2, c // 2, 1, bias=False), nn.BatchNorm2d(c // 2), nn.ReLU())
+        self.left, self.right = nn.Conv2d(c // 2, c, 1), nn.Conv2d(c // 2, c, 1)
+        self.mix = nn.Conv2d(c, c, 1)  # reads the shuffled tensor on its own grid (a stride-2 unit's branches do)
+        self.head = nn.Linear(c, 10)
+        self.c = c
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.stem(x).chunk(2, dim=1)
+        x = torch.cat((a, self.branch(b)), dim=1)
+        x = x.view(-1, 2, self.c // 2, 8, 8).transpose(1, 2).contiguous().view(-1, self.c, 8, 8)
+        a, b = x.chunk(2, dim=1)
+        return self.head((self.left(a) + self.right(b) + self.mix(x)).mean((2, 3)))
+
+
+def test_requantizes_that_give_back_their_input_are_dropped_with_the_same_integers():
+    """torch.ao FX requantizes after every view, transpose, chunk and concatenation on the same grid, with x86's clamp
+    chain after each: inductor compiled shufflenet_v2's channel shuffles into float32 buffers and extra kernels
+    (FX 1.6x float, PT2E 1.9x). The pairs and clamps that give back their input exactly go; a requantize onto
+    another grid stays, every conv still reads a dequantize (inductor's int8 conv), and the graph computes the same
+    integers bit for bit."""
+    from qlightning.quantize.qdq import _DATA_MOVEMENT, clamps_before_quantize
+
+    chain, fused, x = _qdq_graphs_of(DigitsShuffle())
+    clamps_before_quantize(fused)
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    dequantize = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+
+    def grid_of(node: Any) -> Any:  # the grid a tensor's values lie on, through data movement and concatenation
+        if not isinstance(node, torch.fx.Node):
+            return None
+        if node.target is dequantize:
+            return tuple(node.args[1:3])
+        if node.target in _DATA_MOVEMENT:
+            return grid_of(node.args[0])
+        if node.target is torch.ops.aten.cat.default:
+            grids = {grid_of(n) for n in node.args[0]}
+            return grids.pop() if len(grids) == 1 else None
+        return None
+
+    def requantizes(gm: torch.fx.GraphModule) -> tuple[list[Any], int]:
+        """Quantizes of a moved tensor onto its own grid (their dequantizes' users), and onto another grid."""
+        same, other = [], 0
+        for q in (n for n in gm.graph.nodes if n.target is quantize and isinstance(n.args[0], torch.fx.Node)):
+            source = q.args[0]
+            if source.target in _DATA_MOVEMENT or source.target is torch.ops.aten.cat.default:
+                if grid_of(source) == tuple(q.args[1:3]):
+                    same.append({u.target for dq in q.users for u in dq.users})
+                else:
+                    other += 1
+        return same, other
+
+    (same_before, other_before), (same_after, other_after) = requantizes(chain), requantizes(fused)
+    assert len(same_before) >= 5, same_before  # the concatenation and the shuffle's view, transpose, contiguous, view
+    assert same_after == [{torch.ops.aten.conv2d.default}], same_after  # left for the conv that reads it (``mix``)
+    assert other_after == other_before >= 2  # onto the convs' grids after the split: kept
+    for conv in (n for n in fused.graph.nodes if n.target is torch.ops.aten.conv2d.default):
+        assert conv.args[0].target is dequantize, conv  # what inductor turns into an int8 conv
     with torch.no_grad():
         for batch in (x[:64], 8.0 * x[64:128], -x[128:192], 0.5 * x[192:256]):
             assert torch.equal(chain(batch), fused(batch))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -359,6 +360,7 @@ def clamps_before_quantize(gm: torch.fx.GraphModule) -> int:
         changed += 1
     changed += _fold_clamping_activations(gm)
     changed += _narrow_quantizes_after_float_ops(gm)
+    changed += _drop_identity_requantizes(gm)
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -475,6 +477,98 @@ def _narrow_quantizes_after_float_ops(gm: torch.fx.GraphModule) -> int:
             continue
         tail.args = (x, scale, zero_point, qmin, qmax, q.args[5], *tail.args[6:])
         changed += 1
+    return changed
+
+
+# Ops that only move or select elements: grid points in, the same grid points out (torch.ao FX observes each
+# one's output on its input's grid, so the q/dq graph requantizes after every one)
+_DATA_MOVEMENT = {
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.contiguous.default,
+    torch.ops.aten.clone.default, torch.ops.aten.flatten.using_ints, torch.ops.aten.chunk.default,
+    torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, operator.getitem,
+}
+
+
+def _requantize_free_users() -> set[Any]:
+    qd = quantized_decomposed_ops()
+    return {*_DATA_MOVEMENT, torch.ops.aten.clamp.default, qd.quantize_per_tensor.default}
+
+
+def _codes_of_quantize(q: torch.fx.Node, codes: dict[torch.fx.Node, tuple[Any, ...]]) -> Optional[tuple[int, int]]:
+    """The integer codes a ``quantize_per_tensor`` node can output: its range, narrowed by a float clamp before
+    it (computed by the op itself on the clamp's float32 bounds, so exactly as the graph rounds them) or by its
+    input's own codes on the same grid."""
+    qd = quantized_decomposed_ops()
+    scale, zero_point, qmin, qmax, dtype = q.args[1:6]
+    x = q.args[0]
+    if x in codes and codes[x][:3] == (scale, zero_point, dtype):
+        return max(qmin, codes[x][3]), min(qmax, codes[x][4])
+    if (isinstance(x, torch.fx.Node) and x.target is torch.ops.aten.clamp.default and len(x.args) == 3
+            and all(isinstance(v, (int, float)) for v in x.args[1:])):
+        bounds = qd.quantize_per_tensor.default(torch.tensor(x.args[1:], dtype=torch.float32), *q.args[1:6])
+        return int(bounds[0]), int(bounds[1])
+    return qmin, qmax
+
+
+def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
+    """Quantize -> dequantize pairs and clamps that give back their input exactly, removed.
+
+    torch.ao FX requantizes after every view, transpose, chunk or concatenation on the same grid, with x86's clamp
+    chain after each (``dq -> view -> q -> dq -> clamp -> q -> dq``): shufflenet_v2's channel shuffles are five of
+    them in a row, and inductor compiled them into float32 buffers and extra kernels (its fused kernels took 1.0 ms
+    a call under FX against 0.47 ms under PT2E). A tensor whose values are the dequantized codes ``a..b`` of a grid
+    (a dequantize of a quantize whose codes are known, or a data-movement op of one) comes back unchanged from a
+    quantize onto that grid whose range holds ``a..b`` and the dequantize after it, and from a clamp whose bounds
+    hold ``a``'s and ``b``'s values; both are checked on every code by running the ops. A requantize onto another
+    grid, or one whose range cuts the codes, stays. Returns how many pairs and clamps were removed.
+    """
+    qd = quantized_decomposed_ops()
+    q_op, dq_op = qd.quantize_per_tensor.default, qd.dequantize_per_tensor.default
+    requantize_free = _requantize_free_users()
+    codes: dict[torch.fx.Node, tuple[Any, ...]] = {}  # node -> (scale, zero point, dtype, lowest code, highest code)
+    changed = 0
+
+    def values(grid: tuple[Any, ...]) -> torch.Tensor:
+        scale, zero_point, dtype, a, b = grid
+        return dq_op(torch.arange(a, b + 1, dtype=torch.int32).to(dtype), scale, zero_point, a, b, dtype)
+
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.kwargs:
+            continue
+        x = node.args[0] if node.args else None
+        if node.target is dq_op and isinstance(x, torch.fx.Node) and x.target is q_op and not x.kwargs:
+            if not all(isinstance(v, (int, float)) for v in x.args[1:5]) or _grid(x) != _grid(node):
+                continue
+            t = x.args[0]
+            a, b = _codes_of_quantize(x, codes)
+            scale, zero_point, dtype = x.args[1], x.args[2], x.args[5]
+            if t in codes and codes[t][:3] == (scale, zero_point, dtype) and codes[t][3] >= a and codes[t][4] <= b:
+                grid = codes[t]
+                v = values(grid)
+                if torch.equal(dq_op(q_op(v, *x.args[1:6]), *node.args[1:6]), v):  # the pair gives back its input
+                    # not for a conv, linear or pool: inductor makes int8 kernels of what reads a dequantize
+                    # (shufflenet_v2 ran a float conv when this took every user)
+                    moved = node.replace_all_uses_with(t, delete_user_cb=lambda user: user.target in requantize_free)
+                    changed += len(moved)
+                    if len(node.users):
+                        codes[node] = grid
+                    continue
+            if a <= b:
+                codes[node] = (scale, zero_point, dtype, a, b)
+        elif node.target is torch.ops.aten.clamp.default and x in codes and len(node.args) == 3:
+            lo, hi = node.args[1:]
+            v = values(codes[x])
+            if all(isinstance(c, (int, float)) for c in (lo, hi)) and torch.equal(torch.clamp(v, lo, hi), v):
+                changed += len(node.replace_all_uses_with(x, delete_user_cb=lambda user: user.target in requantize_free))
+                if len(node.users):
+                    codes[node] = codes[x]
+        elif node.target in _DATA_MOVEMENT and x in codes:
+            codes[node] = codes[x]
+        elif node.target is torch.ops.aten.cat.default and isinstance(x, (list, tuple)) and x and all(i in codes for i in x):
+            grids = {codes[i][:3] for i in x}
+            if len(grids) == 1:
+                codes[node] = (*grids.pop(), min(codes[i][3] for i in x), max(codes[i][4] for i in x))
     return changed
 
 
