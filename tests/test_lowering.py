@@ -432,6 +432,10 @@ def test_inductor_module_compiles_once_for_a_shape_whether_or_not_under_inferenc
             outs.append(module(batch))
     assert counters["stats"]["unique_graphs"] - before == 1
     assert all(torch.equal(out, outs[0]) for out in outs)
+    # its parameters are not guarded (frozen in), its inputs are: another batch size compiles again, right
+    with torch.no_grad():
+        assert torch.equal(module(x[:8]), outs[0][:8])
+    assert counters["stats"]["unique_graphs"] - before == 2
 
 
 def test_inductor_module_runs_with_the_python_wrapper_when_the_cpp_one_fails_to_compile():

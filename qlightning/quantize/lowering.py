@@ -130,7 +130,9 @@ class InductorModule(nn.Module):
     wrapper spent about 1 ms of a 5 ms call of a small int8 conv net at batch 32 calling 50-100 kernels and
     checking each one's sizes (torch 2.14.1, 2 cores: shufflenet_v2 FX 5.8 -> 4.9 ms, mobilenet_v2 FX
     5.2 -> 4.5 ms, the same outputs; ``notes/perf.md`` section 18). A graph whose C++ wrapper does not
-    compile runs with the Python one (``wrapper`` says which).
+    compile runs with the Python one (``wrapper`` says which). The graph's parameters and buffers are not
+    guarded: ``freezing`` compiles them in as constants, so the module is a deployment artifact whose weights
+    do not change (a new input shape, dtype or grad mode still compiles again).
 
     Args:
         graph: the q/dq module to compile (an exported program's module, exported in eval mode).
@@ -164,7 +166,10 @@ class InductorModule(nn.Module):
             missing = x86_int8_passes()
             if missing:
                 raise LoweringError(f"inductor: {missing}")
-            self._compiled = torch.compile(self.graph, dynamic=self.dynamic)
+            # no guards on the graph's parameters and buffers: freezing makes them constants of the compiled code
+            # anyway, and checking them took 0.2 ms of shufflenet_v2's 3.9 ms call (the inputs stay guarded)
+            self._compiled = torch.compile(self.graph, dynamic=self.dynamic, options={
+                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         # dynamo guards on each input's dispatch keys, which inference_mode changes (its tensors lack the
         # autograd keys, and the mode hides them on the others): Lightning validates and tests under it, and
         # every mix of the two compiled the graph again (six compiles of MiniLM's encoder in one run)
