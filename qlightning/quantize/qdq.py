@@ -537,7 +537,15 @@ def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
         if node.op != "call_function" or node.kwargs:
             continue
         x = node.args[0] if node.args else None
-        if node.target is dq_op and isinstance(x, torch.fx.Node) and x.target is q_op and not x.kwargs:
+        if node.target is torch.ops.aten.cat.default and isinstance(x, (list, tuple)) and x and all(
+                isinstance(i, torch.fx.Node) and i in codes for i in x):
+            grids = {codes[i][:3] for i in x}
+            if len(grids) == 1:
+                codes[node] = (*grids.pop(), min(codes[i][3] for i in x), max(codes[i][4] for i in x))
+            continue
+        if not isinstance(x, torch.fx.Node):
+            continue
+        if node.target is dq_op and x.target is q_op and not x.kwargs:
             if not all(isinstance(v, (int, float)) for v in x.args[1:5]) or _grid(x) != _grid(node):
                 continue
             t = x.args[0]
@@ -565,10 +573,6 @@ def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
                     codes[node] = codes[x]
         elif node.target in _DATA_MOVEMENT and x in codes:
             codes[node] = codes[x]
-        elif node.target is torch.ops.aten.cat.default and isinstance(x, (list, tuple)) and x and all(i in codes for i in x):
-            grids = {codes[i][:3] for i in x}
-            if len(grids) == 1:
-                codes[node] = (*grids.pop(), min(codes[i][3] for i in x), max(codes[i][4] for i in x))
     return changed
 
 
