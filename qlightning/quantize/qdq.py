@@ -491,11 +491,12 @@ _DATA_MOVEMENT = {
 
 
 def _requantize_free_users() -> set[Any]:
+    """Users that may read a tensor in place of its identity dequantize (a function: the q/dq ops register lazily)."""
     qd = quantized_decomposed_ops()
     return {*_DATA_MOVEMENT, torch.ops.aten.clamp.default, qd.quantize_per_tensor.default}
 
 
-def _codes_of_quantize(q: torch.fx.Node, codes: dict[torch.fx.Node, tuple[Any, ...]]) -> Optional[tuple[int, int]]:
+def _codes_of_quantize(q: torch.fx.Node, codes: dict[torch.fx.Node, tuple[Any, ...]]) -> tuple[int, int]:
     """The integer codes a ``quantize_per_tensor`` node can output: its range, narrowed by a float clamp before
     it (computed by the op itself on the clamp's float32 bounds, so exactly as the graph rounds them) or by its
     input's own codes on the same grid."""
@@ -551,6 +552,7 @@ def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
             t = x.args[0]
             a, b = _codes_of_quantize(x, codes)
             scale, zero_point, dtype = x.args[1], x.args[2], x.args[5]
+            # a cheap filter first; the ops run on every code below decide
             if t in codes and codes[t][:3] == (scale, zero_point, dtype) and codes[t][3] >= a and codes[t][4] <= b:
                 grid = codes[t]
                 v = values(grid)
