@@ -638,9 +638,9 @@ def test_clamps_before_quantize_compute_the_same_integers(trained_digits):
     fake_quant, int8, x, _ = trained_digits
     program = qdq_program(reference_qdq_module(fake_quant, int8), Inputs((x[:32],)))
     chain, fused = program.program.module(), program.program.module()
-    # DigitsCNN's three conv-bn(-relu)s; the flatten's requantize and clamp on its input's grid
-    # (_drop_identity_requantizes, the test below)
-    assert clamps_before_quantize(fused) == 3 + 2
+    # DigitsCNN's three conv-bn(-relu)s; after the flatten, its requantize, clamp and the linear's quantize on its
+    # input's grid (_drop_identity_requantizes, the test below)
+    assert clamps_before_quantize(fused) == 3 + 3
     targets = [n.target for n in fused.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.relu.default not in targets  # folded into the clamps
     assert torch.ops.aten.relu.default in [n.target for n in chain.graph.nodes]  # a graph of its own
@@ -748,7 +748,8 @@ def test_clamp_chains_after_float_ops_become_one_narrow_quantize_with_the_same_i
     clamps_before_quantize(fused)
     quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
     narrow = {n.args[0].target for n in fused.graph.nodes if n.target is quantize and n.args[4] < 255}
-    assert {torch.ops.aten.gelu.default, torch.ops.aten.permute.default} <= narrow, narrow  # GELU; LayerNorm's permute
+    # GELU's; LayerNorm's own, or the permute's after it when that permute moved onto the codes
+    assert torch.ops.aten.gelu.default in narrow and narrow & {torch.ops.aten.layer_norm.default, torch.ops.aten.permute.default}, narrow
     with torch.no_grad():
         for batch in (x[:64], 8.0 * x[64:128], -x[128:192], 0.5 * x[192:256]):
             assert torch.equal(chain(batch), fused(batch))
@@ -814,7 +815,7 @@ def test_requantizes_that_give_back_their_input_are_dropped_with_the_same_intege
 
     (same_before, other_before), (same_after, other_after) = requantizes(chain), requantizes(fused)
     assert len(same_before) >= 5, same_before  # the concatenation and the shuffle's view, transpose, contiguous, view
-    assert same_after == [{torch.ops.aten.conv2d.default}], same_after  # left for the conv that reads it (``mix``)
+    assert same_after == [], same_after  # ``mix`` reads the codes its input was dequantized from
     assert other_after == other_before >= 2  # onto the convs' grids after the split: kept
     for conv in (n for n in fused.graph.nodes if n.target is torch.ops.aten.conv2d.default):
         assert conv.args[0].target is dequantize, conv  # what inductor turns into an int8 conv

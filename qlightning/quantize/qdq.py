@@ -512,6 +512,44 @@ def _codes_of_quantize(q: torch.fx.Node, codes: dict[torch.fx.Node, tuple[Any, .
     return qmin, qmax
 
 
+def _quantizes_under(node: torch.fx.Node) -> Optional[list[torch.fx.Node]]:
+    """The quantizes whose codes ``node`` is, directly or through data movement and concatenation; ``None`` when it
+    is anything else."""
+    q_op = quantized_decomposed_ops().quantize_per_tensor.default
+    if node.target is q_op:
+        return [node]
+    if node.target in _DATA_MOVEMENT:
+        return _quantizes_under(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
+    if node.target is torch.ops.aten.cat.default and isinstance(node.args[0], (list, tuple)) and node.args[0]:
+        found = [_quantizes_under(i) if isinstance(i, torch.fx.Node) else None for i in node.args[0]]
+        return None if any(f is None for f in found) else [q for f in found for q in f]  # type: ignore[union-attr]
+    return None
+
+
+def _dequantized_codes(node: Any) -> bool:
+    """Whether ``node`` is a dequantize of codes (a quantize's, moved or not), or data movement and concatenation
+    of such: a tensor :func:`_codes_of` can rebuild on the codes."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node.target is quantized_decomposed_ops().dequantize_per_tensor.default:
+        return isinstance(node.args[0], torch.fx.Node) and _quantizes_under(node.args[0]) is not None
+    if node.target in _DATA_MOVEMENT:
+        return _dequantized_codes(node.args[0])
+    if node.target is torch.ops.aten.cat.default and isinstance(node.args[0], (list, tuple)):
+        return all(_dequantized_codes(i) for i in node.args[0])
+    return False
+
+
+def _codes_of(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    """The codes a :func:`_dequantized_codes` tensor was dequantized from, moved and concatenated alike (new nodes,
+    inserted where the graph's insertion point is)."""
+    if node.target is quantized_decomposed_ops().dequantize_per_tensor.default:
+        return node.args[0]
+    if node.target is torch.ops.aten.cat.default:
+        return graph.call_function(node.target, ([_codes_of(graph, i) for i in node.args[0]], *node.args[1:]), dict(node.kwargs))
+    return graph.call_function(node.target, (_codes_of(graph, node.args[0]), *node.args[1:]), dict(node.kwargs))
+
+
 def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
     """Quantize -> dequantize pairs and clamps that give back their input exactly, removed.
 
@@ -521,8 +559,10 @@ def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
     a call under FX against 0.47 ms under PT2E). A tensor whose values are the dequantized codes ``a..b`` of a grid
     (a dequantize of a quantize whose codes are known, or a data-movement op of one) comes back unchanged from a
     quantize onto that grid whose range holds ``a..b`` and the dequantize after it, and from a clamp whose bounds
-    hold ``a``'s and ``b``'s values; both are checked on every code by running the ops. A requantize onto another
-    grid, or one whose range cuts the codes, stays. Returns how many pairs and clamps were removed.
+    hold ``a``'s and ``b``'s values; and a quantize right after the dequantize of such codes, onto their grid, gives
+    back the codes themselves, so its users (a conv's dequantize too) read those. Each is checked on every code by
+    running the ops. A requantize onto another grid, or one whose range cuts the codes, stays. Returns how many
+    pairs, quantizes and clamps were removed.
     """
     qd = quantized_decomposed_ops()
     q_op, dq_op = qd.quantize_per_tensor.default, qd.dequantize_per_tensor.default
@@ -546,14 +586,17 @@ def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
             continue
         if not isinstance(x, torch.fx.Node):
             continue
-        if node.target is dq_op and x.target is q_op and not x.kwargs:
-            if not all(isinstance(v, (int, float)) for v in x.args[1:5]) or _grid(x) != _grid(node):
+        if node.target is dq_op and (roots := _quantizes_under(x)) is not None:
+            # a dequantize of codes, or of codes moved or concatenated (as a requantize below may have left them)
+            if any(q.kwargs or not all(isinstance(v, (int, float)) for v in q.args[1:5]) or _grid(q) != _grid(node)
+                   for q in roots):
                 continue
-            t = x.args[0]
-            a, b = _codes_of_quantize(x, codes)
-            scale, zero_point, dtype = x.args[1], x.args[2], x.args[5]
+            root, t = roots[0], x.args[0]
+            ranges = [_codes_of_quantize(q, codes) for q in roots]
+            a, b = min(r[0] for r in ranges), max(r[1] for r in ranges)
+            scale, zero_point, dtype = root.args[1], root.args[2], root.args[5]
             # a cheap filter first; the ops run on every code below decide
-            if t in codes and codes[t][:3] == (scale, zero_point, dtype) and codes[t][3] >= a and codes[t][4] <= b:
+            if root is x and t in codes and codes[t][:3] == (scale, zero_point, dtype) and codes[t][3] >= a and codes[t][4] <= b:
                 grid = codes[t]
                 v = values(grid)
                 if torch.equal(dq_op(q_op(v, *x.args[1:6]), *node.args[1:6]), v):  # the pair gives back its input
@@ -566,6 +609,18 @@ def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
                     continue
             if a <= b:
                 codes[node] = (scale, zero_point, dtype, a, b)
+        elif node.target is q_op and x in codes and _dequantized_codes(x):
+            # q(dq(c)) onto c's own grid (through views, transposes, chunks, concatenations): its users read c (moved
+            # alike on the codes), so a conv reads a dequantize of c. After a GELU, convnext_atto FX requantized this way before
+            # each next conv: one more float -> uint8 round trip in the GELU's kernel (453 -> 351 us at its first
+            # stage, compiled alone)
+            scale, zero_point, dtype, a, b = codes[x]
+            if (isinstance(node.args[1], (int, float)) and (node.args[1], node.args[2], node.args[5]) == (scale, zero_point, dtype)
+                    and node.args[3] <= a and b <= node.args[4]
+                    and torch.equal(q_op(values(codes[x]), *node.args[1:6]), torch.arange(a, b + 1).to(dtype))):
+                with gm.graph.inserting_before(node):
+                    node.replace_all_uses_with(_codes_of(gm.graph, x))
+                changed += 1
         elif node.target is torch.ops.aten.clamp.default and x in codes and len(node.args) == 3:
             lo, hi = node.args[1:]
             v = values(codes[x])
