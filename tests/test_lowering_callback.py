@@ -81,6 +81,7 @@ def test_pt2e_lowered_by_inductor_through_the_callback():
     assert set(choice["latency_ms"]) == {"fx", "inductor"} and "inductor" in choice["passed"], choice["errors"]
     assert choice["sqnr_db"]["inductor"] >= 25.0
     assert set(choice["first_call_s"]) == {"fx", "inductor"}  # inductor's compilation, apart from latency_ms
+    assert choice["compiled_with"] == {"inductor": "cpp wrapper"}  # report.json says how its kernels are called
     assert source_of(model.net) is qat.int8_modules["net"]
     if choice["name"] == "inductor":
         assert isinstance(model.net, InductorModule)

@@ -301,6 +301,8 @@ class LoweringChoice:
         first_call_s: seconds of each candidate's first call on the example input: for ``inductor``
             the ``torch.compile`` compilation (steady-state latency is ``latency_ms``).
         parity_on: what ``sqnr_db`` and ``top1_agreement`` were measured on, in words.
+        compiled_with: how each compiled candidate runs its kernels: for ``inductor``, ``"cpp wrapper"`` or
+            ``"python wrapper"`` (the C++ one did not compile).
     """
 
     name: str
@@ -318,6 +320,7 @@ class LoweringChoice:
     threads: int = 1
     repeats: int = 0
     parity_on: str = "the example input"
+    compiled_with: dict[str, str] = field(default_factory=dict)
 
     @property
     def passed(self) -> list[str]:
@@ -433,6 +436,8 @@ def choose_lowering(
                     with torch.no_grad():
                         module(*inputs.args, **inputs.kwargs)  # the first call: compilation for compiled runtimes
                     choice.first_call_s[name] = round(time.perf_counter() - first, 3)
+                    if isinstance(module, InductorModule):
+                        choice.compiled_with[name] = f"{module.wrapper} wrapper"
                     output = outputs(module)
             except Exception as exc:  # a runtime that cannot take this model is simply not a candidate
                 choice.errors[name] = f"build/run failed: {type(exc).__name__}: {str(exc)[:500]}"
