@@ -512,32 +512,31 @@ def _codes_of_quantize(q: torch.fx.Node, codes: dict[torch.fx.Node, tuple[Any, .
     return qmin, qmax
 
 
-def _quantizes_under(node: torch.fx.Node) -> Optional[list[torch.fx.Node]]:
-    """The quantizes whose codes ``node`` is, directly or through data movement and concatenation; ``None`` when it
-    is anything else."""
-    q_op = quantized_decomposed_ops().quantize_per_tensor.default
-    if node.target is q_op:
+def _leaves_under(node: Any, leaf: Any) -> Optional[list[torch.fx.Node]]:
+    """The ``leaf``-op nodes that ``node`` is, directly or through data movement and concatenation; ``None`` when
+    anything else is on the way."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node.target is leaf:
         return [node]
     if node.target in _DATA_MOVEMENT:
-        return _quantizes_under(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
+        return _leaves_under(node.args[0], leaf)
     if node.target is torch.ops.aten.cat.default and isinstance(node.args[0], (list, tuple)) and node.args[0]:
-        found = [_quantizes_under(i) if isinstance(i, torch.fx.Node) else None for i in node.args[0]]
-        return None if any(f is None for f in found) else [q for f in found for q in f]  # type: ignore[union-attr]
+        found = [_leaves_under(i, leaf) for i in node.args[0]]
+        return None if any(f is None for f in found) else [n for f in found for n in f]  # type: ignore[union-attr]
     return None
 
 
+def _quantizes_under(node: Any) -> Optional[list[torch.fx.Node]]:
+    """The quantizes whose codes ``node`` is, directly or moved and concatenated; ``None`` when it is anything else."""
+    return _leaves_under(node, quantized_decomposed_ops().quantize_per_tensor.default)
+
+
 def _dequantized_codes(node: Any) -> bool:
-    """Whether ``node`` is a dequantize of codes (a quantize's, moved or not), or data movement and concatenation
-    of such: a tensor :func:`_codes_of` can rebuild on the codes."""
-    if not isinstance(node, torch.fx.Node):
-        return False
-    if node.target is quantized_decomposed_ops().dequantize_per_tensor.default:
-        return isinstance(node.args[0], torch.fx.Node) and _quantizes_under(node.args[0]) is not None
-    if node.target in _DATA_MOVEMENT:
-        return _dequantized_codes(node.args[0])
-    if node.target is torch.ops.aten.cat.default and isinstance(node.args[0], (list, tuple)):
-        return all(_dequantized_codes(i) for i in node.args[0])
-    return False
+    """Whether ``node`` is dequantizes of codes (quantizes', moved or not), moved and concatenated: a tensor
+    :func:`_codes_of` can rebuild on the codes."""
+    dequantizes = _leaves_under(node, quantized_decomposed_ops().dequantize_per_tensor.default)
+    return dequantizes is not None and all(_quantizes_under(dq.args[0]) is not None for dq in dequantizes)
 
 
 def _codes_of(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
@@ -546,7 +545,8 @@ def _codes_of(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     if node.target is quantized_decomposed_ops().dequantize_per_tensor.default:
         return node.args[0]
     if node.target is torch.ops.aten.cat.default:
-        return graph.call_function(node.target, ([_codes_of(graph, i) for i in node.args[0]], *node.args[1:]), dict(node.kwargs))
+        inputs = [_codes_of(graph, i) for i in node.args[0]]
+        return graph.call_function(node.target, (inputs, *node.args[1:]), dict(node.kwargs))
     return graph.call_function(node.target, (_codes_of(graph, node.args[0]), *node.args[1:]), dict(node.kwargs))
 
 
@@ -596,7 +596,8 @@ def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
             a, b = min(r[0] for r in ranges), max(r[1] for r in ranges)
             scale, zero_point, dtype = root.args[1], root.args[2], root.args[5]
             # a cheap filter first; the ops run on every code below decide
-            if root is x and t in codes and codes[t][:3] == (scale, zero_point, dtype) and codes[t][3] >= a and codes[t][4] <= b:
+            if (root is x and t in codes and codes[t][:3] == (scale, zero_point, dtype)
+                    and codes[t][3] >= a and codes[t][4] <= b):
                 grid = codes[t]
                 v = values(grid)
                 if torch.equal(dq_op(q_op(v, *x.args[1:6]), *node.args[1:6]), v):  # the pair gives back its input
@@ -610,12 +611,12 @@ def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
             if a <= b:
                 codes[node] = (scale, zero_point, dtype, a, b)
         elif node.target is q_op and x in codes and _dequantized_codes(x):
-            # q(dq(c)) onto c's own grid (through views, transposes, chunks, concatenations): its users read c (moved
-            # alike on the codes), so a conv reads a dequantize of c. After a GELU, convnext_atto FX requantized this way before
-            # each next conv: one more float -> uint8 round trip in the GELU's kernel (453 -> 351 us at its first
-            # stage, compiled alone)
+            # q(dq(c)) onto c's own grid (through views, transposes, chunks, concatenations): its users read c
+            # (moved alike on the codes), so a conv reads a dequantize of c. After a GELU, convnext_atto FX
+            # requantized this way before each next conv: one more float -> uint8 round trip in the GELU's kernel
+            # (453 -> 351 us at its first stage, compiled alone)
             scale, zero_point, dtype, a, b = codes[x]
-            if (isinstance(node.args[1], (int, float)) and (node.args[1], node.args[2], node.args[5]) == (scale, zero_point, dtype)
+            if (isinstance(node.args[1], (int, float)) and _grid(node) == (scale, zero_point, dtype)
                     and node.args[3] <= a and b <= node.args[4]
                     and torch.equal(q_op(values(codes[x]), *node.args[1:6]), torch.arange(a, b + 1).to(dtype))):
                 with gm.graph.inserting_before(node):
