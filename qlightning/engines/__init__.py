@@ -32,6 +32,8 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "pool_spatial_means": (bool, "int8 x.mean([2, 3]) runs as adaptive_avg_pool2d + flatten (torch's quantized mean fails on 1x1 maps; default true)"),
         "pool_observers": (bool, "average pools and means observe their own output instead of sharing their input's grid, where a mean "
                            "of an even number of codes ties exactly and each runtime breaks the ties its own way (default true)"),
+        "split_attention": (bool, "nn.MultiheadAttention runs as four nn.Linear projections (quantized like any Linear) around a float "
+                            "attention core, as torch.ao.nn.quantizable.MultiheadAttention splits it; torch.ao FX leaves the module float (default true)"),
         "requantize_as_trained": (bool, "int8 average pools run in float and requantize, dropouts and identities requantize to their trained qparams, as the fake-quant model computes them (default true)"),
     },
     "pt2e": {

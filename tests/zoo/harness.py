@@ -202,10 +202,9 @@ NOTES: dict[tuple[str, str], str] = {
     **{(name, "fx"): "at the edge of the 99 % agreement target (int8 vs fake-quant 33-40 dB; KNOWN accepts either outcome)"
        for name in ("mobilenet_v2", "regnet_x_400mf")},
     ("resnet50", "pt2e"): "at the edge of the 99 % agreement target (int8 vs fake-quant 45-49 dB; KNOWN accepts either outcome)",
-    # torch.ao's FX custom-module flow for MultiheadAttention quantizes the module's inputs only (fx/convert.py,
-    # _is_custom_module_mha: "Additional handling is yet to be implemented for the outputs"; torch 2.13-2.14.1)
-    ("vit_small_tv", "fx"): "nn.MultiheadAttention stays float: torch.ao's FX custom-module flow for it handles the "
-                            "inputs only (its outputs are a TODO upstream); PT2E quantizes its projections (`vit_qat`)",
+    # torch.ao FX keeps nn.MultiheadAttention a float leaf; the engine splits it (engines/fx/attention.py)
+    ("vit_small_tv", "fx"): "nn.MultiheadAttention runs as four int8 Linear projections around a float attention core "
+                            "(engine option split_attention); its matmuls and softmax stay float",
 }
 
 

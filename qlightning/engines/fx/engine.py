@@ -21,6 +21,7 @@ from qlightning.engines.base import (
     QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, is_fused_fake_quant, quantized_engine,
     register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
 )
+from qlightning.engines.fx.attention import AttentionCore, split_multihead_attention, unsplit
 from qlightning.engines.fx.ao import (
     AVERAGE_POOL_FUNCTIONS, AVERAGE_POOL_MODULES, backend_config_for, load_torch_ao, quiet_torch_ao,
     with_pool_observers,
@@ -774,16 +775,18 @@ class FxEngine(QuantEngine):
         if spec.is_qat:
             check_batch_norm_gammas(module)
         mapping = spec.qconfig_mapping if spec.qconfig_mapping is not None else self.default_qconfig_mapping(spec)
-        mapping = self._expand_regex(module, mapping)
         prepare = self.ao.prepare_qat_fx if spec.is_qat else self.ao.prepare_fx
         module.train(spec.is_qat)
+        config = self._with_standalone_inputs(module, inputs, spec.prepare_custom_config)
+        # split after capturing the standalone modules' inputs (which runs the model as given)
+        split = (split_multihead_attention(module, self._configured_wholes(module, mapping, config))
+                 if spec.options.get("split_attention", True) else {})
+        mapping = self._expand_regex(module, mapping)
+        leaves = set(mode_dependent_modules(module).values()) if spec.options.get("leaf_mode_modules", True) else set()
         kwargs: dict[str, Any] = {
             "qconfig_mapping": mapping,
             "example_inputs": positional_args(module, inputs),
-            "prepare_custom_config": self._with_leaf_mode_modules(
-                module, self._with_standalone_inputs(module, inputs, spec.prepare_custom_config),
-                spec.options.get("leaf_mode_modules", True),
-            ),
+            "prepare_custom_config": self._with_leaves(config, leaves | ({AttentionCore} if split else set())),
             "backend_config": self.backend_config(spec),
         }
         if not spec.is_qat and spec.options.get("equalization_config") is not None:
@@ -791,7 +794,10 @@ class FxEngine(QuantEngine):
         try:
             with quiet_torch_ao(), faster_prepare(spec.options.get("fast_prepare", True)):
                 prepared = prepare(module, **kwargs)
-        except (torch.fx.proxy.TraceError, TypeError, RuntimeError, NotImplementedError, AttributeError) as exc:
+        except BaseException as exc:
+            unsplit(module, split)  # the caller's model as it was given
+            if not isinstance(exc, (torch.fx.proxy.TraceError, TypeError, RuntimeError, NotImplementedError, AttributeError)):
+                raise
             raise TraceError(
                 f"FX could not trace {type(module).__name__}: {type(exc).__name__}: {exc}. "
                 "Quantize a smaller submodule that traces (modules), skip the part that does not "
@@ -852,10 +858,28 @@ class FxEngine(QuantEngine):
                     break
         return mapping
 
-    def _with_leaf_mode_modules(self, module: nn.Module, config: Any, enabled: bool) -> Any:
-        """Keep the modules of :func:`mode_dependent_modules` as leaves (non-traceable, float), so their
-        ``train()`` / ``eval()`` still switch them."""
-        classes = sorted(set(mode_dependent_modules(module).values()), key=lambda c: c.__qualname__) if enabled else []
+    @staticmethod
+    def _configured_wholes(module: nn.Module, mapping: Any, config: Any) -> set[str]:
+        """Names of the modules a user's mapping or prepare config treats as wholes (``"*"``: every
+        ``nn.MultiheadAttention``), which :func:`split_multihead_attention` leaves as they are."""
+        wholes: set[str] = set()
+        classes: set[type] = set()
+        if nn.MultiheadAttention in (getattr(mapping, "object_type_qconfigs", None) or {}):
+            wholes.add("*")  # a qconfig for the class itself
+        if config is not None:
+            wholes |= set(config.non_traceable_module_names) | set(config.standalone_module_names)
+            classes |= set(config.non_traceable_module_classes) | set(config.standalone_module_classes)
+            for observed in config.float_to_observed_mapping.values():
+                classes |= set(observed)  # torch.ao's custom-module flow (quantizable.MultiheadAttention)
+        wholes |= {name for name, m in module.named_modules() if name and type(m) in classes}
+        return wholes
+
+    @staticmethod
+    def _with_leaves(config: Any, leaves: set[type]) -> Any:
+        """``config`` with ``leaves`` added to its non-traceable classes: modules that stay float calls in the graph,
+        the ones of :func:`mode_dependent_modules` (so their ``train()`` / ``eval()`` still switch them) and the
+        attention cores of the split ``nn.MultiheadAttention`` modules."""
+        classes = sorted(leaves, key=lambda c: c.__qualname__)
         if not classes:
             return config
         with quiet_torch_ao():
