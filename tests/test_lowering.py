@@ -638,9 +638,9 @@ def test_clamps_before_quantize_compute_the_same_integers(trained_digits):
     fake_quant, int8, x, _ = trained_digits
     program = qdq_program(reference_qdq_module(fake_quant, int8), Inputs((x[:32],)))
     chain, fused = program.program.module(), program.program.module()
-    # DigitsCNN's three conv-bn(-relu)s; after the flatten, its requantize, clamp and the linear's quantize on its
-    # input's grid (_drop_identity_requantizes, the test below)
-    assert clamps_before_quantize(fused) == 3 + 3
+    # DigitsCNN's three conv-bn(-relu)s; after the max pool (on the codes since stop 38) and after the flatten, each
+    # one's requantize, clamp and requantize on its input's grid (_drop_identity_requantizes, the tests below)
+    assert clamps_before_quantize(fused) == 3 + 3 + 3
     targets = [n.target for n in fused.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.relu.default not in targets  # folded into the clamps
     assert torch.ops.aten.relu.default in [n.target for n in chain.graph.nodes]  # a graph of its own
@@ -822,6 +822,72 @@ def test_requantizes_that_give_back_their_input_are_dropped_with_the_same_intege
     with torch.no_grad():
         for batch in (x[:64], 8.0 * x[64:128], -x[128:192], 0.5 * x[192:256]):
             assert torch.equal(chain(batch), fused(batch))
+
+
+class DigitsMaxPools(nn.Module):
+    """ResNet's stem on digits (conv-bn-relu, a 3x3 stride-2 max pool, a conv), then a 7x7 max pool: 49 elements,
+    which inductor hands to aten rather than compiling."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.conv = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.wide = nn.MaxPool2d(7, 1, 3)
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.wide(self.conv(self.pool(self.stem(x)))).mean((2, 3)))
+
+
+def _max_pool_inputs(gm: torch.fx.GraphModule) -> list[Any]:
+    return [n.args[0].target for n in gm.graph.nodes if n.target is torch.ops.aten.max_pool2d.default]
+
+
+def test_max_pools_run_on_the_codes_with_the_same_integers():
+    """A max pool between a dequantize and a quantize onto the same grid (torch.ao FX and PT2E both share the grid)
+    became torchao's ``quantized::max_pool2d`` under inductor, 168 us on shufflenet_v2's stem at batch 32 against
+    19 us for inductor's own kernel on the codes. It now pools the codes (a max commutes with a dequantize): the
+    same integers; a window over 25 elements stays as it was (inductor hands it to aten, whose channels-last uint8
+    max pool fails)."""
+    from qlightning.quantize.qdq import clamps_before_quantize
+
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    dequantize = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+    chain, fused, x = _qdq_graphs_of(DigitsMaxPools())
+    assert _max_pool_inputs(chain) == [dequantize, dequantize]
+    clamps_before_quantize(fused)
+    assert _max_pool_inputs(fused) == [quantize, dequantize]
+    with torch.no_grad():
+        for batch in (x[:64], 8.0 * x[64:128], -x[128:192], 0.5 * x[192:256]):
+            assert torch.equal(chain(batch), fused(batch))
+
+
+def test_pt2e_inductor_candidate_pools_the_codes_with_the_same_integers():
+    """The PT2E model's graph goes to inductor with the same rewrite (shufflenet_v2 PT2E at batch 32: 2.20x -> 2.33x
+    float, resnet18 PT2E 3.91x -> 3.94x, outputs equal)."""
+    from qlightning.quantize.lowering import LoweringContext, _build_inductor
+
+    torch.manual_seed(0)
+    dm = DigitsDataModule(seed=0)
+    dm.setup()
+    x = dm.splits["train"].tensors[0][:256]
+    engine, spec = get_engine("pt2e"), QuantSpec(backend="x86")
+    prepared = engine.prepare(DigitsMaxPools(), Inputs((x[:32],)), spec)
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=True, bn_frozen=False))
+    with torch.no_grad():
+        for i in range(0, 256, 64):
+            prepared(x[i:i + 64])
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
+    int8 = engine.convert(copy.deepcopy(prepared), spec)
+    graph = _build_inductor(LoweringContext(prepared, int8, Inputs((x[:32],)))).graph  # compiles on its first call
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    dequantize = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+    assert _max_pool_inputs(int8) == [dequantize, dequantize]
+    assert _max_pool_inputs(graph) == [quantize, dequantize]
+    with torch.no_grad():
+        for batch in (x[:64], 8.0 * x[64:128], -x[128:192]):
+            assert torch.equal(int8(batch), graph(batch))
 
 
 def test_inductor_without_torchao_passes_is_refused_with_the_reason(trained_digits, monkeypatch):

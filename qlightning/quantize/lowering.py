@@ -50,7 +50,7 @@ from qlightning.core.metrics import median_ms, sqnr_db, top1_agreement
 from qlightning.core.quiet import quiet
 from qlightning.engines import ENGINES, QuantEngine, get_engine
 from qlightning.errors import EngineUnavailableError, QLightningError
-from qlightning.quantize.qdq import clamps_before_quantize, quiet_export, qdq_program, write_onnx
+from qlightning.quantize.qdq import clamps_before_quantize, drop_identity_requantizes, quiet_export, qdq_program, write_onnx
 
 #: the lowering that keeps the engine's own int8 module, whichever the engine (named after FX, the first one)
 ENGINE_MODULE = "fx"
@@ -272,6 +272,8 @@ def _build_inductor(ctx: LoweringContext) -> nn.Module:
         clamps_before_quantize(graph)
     else:
         graph = copy.deepcopy(ctx.int8)
+        if isinstance(graph, torch.fx.GraphModule):
+            drop_identity_requantizes(graph)  # its max pools on the codes (inductor's kernel, not quantized::max_pool2d)
     return attach_source(InductorModule(graph), ctx.int8)  # compiles on its first call (choose_lowering times it)
 
 

@@ -490,10 +490,25 @@ _DATA_MOVEMENT = {
 }
 
 
+def _moves_codes(node: torch.fx.Node) -> bool:
+    """Whether each value ``node`` outputs is one of its first input's values, in the same dtype: data movement, or
+    a max pool (it selects; max commutes with a dequantize, whose scale is positive). A max pool of a window over 25
+    elements is not: inductor hands those to aten, whose uint8 max pool fails on channels-last input (torch 2.14);
+    smaller ones it compiles to a kernel of its own on the codes (shufflenet_v2's stem: 19 us, against 168 us of
+    ``quantized::max_pool2d``, the kernel torchao's x86 passes make of dq -> max_pool2d -> q)."""
+    if node.target in _DATA_MOVEMENT:
+        return True
+    if node.target is not torch.ops.aten.max_pool2d.default or len(node.args) < 2:
+        return False
+    window = list(node.args[1]) if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    window = window * 2 if len(window) == 1 else window  # one size: a square window
+    return all(isinstance(k, int) for k in window) and math.prod(window) <= 25
+
+
 def _requantize_free_users() -> set[Any]:
     """Users that may read a tensor in place of its identity dequantize (a function: the q/dq ops register lazily)."""
     qd = quantized_decomposed_ops()
-    return {*_DATA_MOVEMENT, torch.ops.aten.clamp.default, qd.quantize_per_tensor.default}
+    return {*_DATA_MOVEMENT, torch.ops.aten.max_pool2d.default, torch.ops.aten.clamp.default, qd.quantize_per_tensor.default}
 
 
 def _codes_of_quantize(q: torch.fx.Node, codes: dict[torch.fx.Node, tuple[Any, ...]]) -> tuple[int, int]:
@@ -519,7 +534,7 @@ def _leaves_under(node: Any, leaf: Any) -> Optional[list[torch.fx.Node]]:
         return None
     if node.target is leaf:
         return [node]
-    if node.target in _DATA_MOVEMENT:
+    if _moves_codes(node):
         return _leaves_under(node.args[0], leaf)
     if node.target is torch.ops.aten.cat.default and isinstance(node.args[0], (list, tuple)) and node.args[0]:
         found = [_leaves_under(i, leaf) for i in node.args[0]]
@@ -550,6 +565,22 @@ def _codes_of(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     return graph.call_function(node.target, (_codes_of(graph, node.args[0]), *node.args[1:]), dict(node.kwargs))
 
 
+def drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
+    """:func:`_drop_identity_requantizes` on a graph of its own (a PT2E model's q/dq graph), dead nodes then removed.
+
+    Args:
+        gm: the q/dq graph, changed in place (recompiled if anything changed).
+
+    Returns:
+        How many pairs, quantizes and clamps were removed.
+    """
+    changed = _drop_identity_requantizes(gm)
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return changed
+
+
 def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
     """Quantize -> dequantize pairs and clamps that give back their input exactly, removed.
 
@@ -557,7 +588,7 @@ def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
     chain after each (``dq -> view -> q -> dq -> clamp -> q -> dq``): shufflenet_v2's channel shuffles are five of
     them in a row, and inductor compiled them into float32 buffers and extra kernels (its fused kernels took 1.0 ms
     a call under FX against 0.47 ms under PT2E). A tensor whose values are the dequantized codes ``a..b`` of a grid
-    (a dequantize of a quantize whose codes are known, or a data-movement op of one) comes back unchanged from a
+    (a dequantize of a quantize whose codes are known, or a data-movement op or max pool of one, :func:`_moves_codes`) comes back unchanged from a
     quantize onto that grid whose range holds ``a..b`` and the dequantize after it, and from a clamp whose bounds
     hold ``a``'s and ``b``'s values; and a quantize right after the dequantize of such codes, onto their grid, gives
     back the codes themselves, so its users (a conv's dequantize too) read those. Each is checked on every code by
@@ -629,7 +660,7 @@ def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
                 changed += len(node.replace_all_uses_with(x, delete_user_cb=lambda user: user.target in requantize_free))
                 if len(node.users):
                     codes[node] = codes[x]
-        elif node.target in _DATA_MOVEMENT and x in codes:
+        elif x in codes and _moves_codes(node):
             codes[node] = codes[x]
     return changed
 
