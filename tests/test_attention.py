@@ -161,3 +161,23 @@ def test_the_attention_core_is_one_untraced_call():
     prepared = _prepare(RowAttention())
     calls = [n for n in prepared.graph.nodes if n.op == "call_module" and n.target == "attn.attention"]
     assert len(calls) == 1 and isinstance(prepared.get_submodule("attn.attention"), AttentionCore)
+
+
+def test_post_training_static_quantization_quantizes_the_split_too():
+    """prepare_fx (PTQ) goes through the same split: calibrated on digits, the int8 projections stay close to float."""
+    from qlightning.core.metrics import sqnr_db
+
+    torch.manual_seed(0)
+    dm = DigitsDataModule(seed=0)
+    dm.setup()
+    x = dm.splits["train"].tensors[0][:256]
+    net = RowAttention().eval()
+    engine, spec = get_engine("fx"), QuantSpec(backend="x86", is_qat=False)
+    observed = engine.prepare(copy.deepcopy(net), Inputs((x[:32],)), spec)
+    with torch.no_grad():
+        for i in range(0, 256, 64):
+            observed(x[i:i + 64])
+    int8 = engine.convert(observed, spec)
+    assert all(type(int8.get_submodule(f"attn.{name}")).__module__.startswith("torch.ao.nn.quantized") for name in PROJECTIONS)
+    with torch.no_grad():
+        assert sqnr_db(net(x), int8(x)) >= 25
