@@ -9,6 +9,7 @@ must come out int8 and close to the fake-quant model, and a user's config that n
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import lightning.pytorch as pl
 import pytest
@@ -181,3 +182,33 @@ def test_post_training_static_quantization_quantizes_the_split_too():
     assert all(type(int8.get_submodule(f"attn.{name}")).__module__.startswith("torch.ao.nn.quantized") for name in PROJECTIONS)
     with torch.no_grad():
         assert sqnr_db(net(x), int8(x)) >= 25
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None, reason="torchvision is not installed beside this torch")
+def test_torchvision_vision_transformer_attention_projections_come_out_int8():
+    """torchvision's VisionTransformer (its EncoderBlock calls nn.MultiheadAttention with need_weights=False): the
+    converted model's attention projections are int8 Linears, and the prepared model computes what the float one
+    does with fake-quant off."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    from qlightning import Phase
+
+    torch.manual_seed(0)
+    net = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128,
+                            num_classes=10)
+    x = torch.randn(8, 3, 32, 32)
+    with torch.no_grad():
+        expected = net.eval()(x)
+    engine, spec = get_engine("fx"), QuantSpec(backend="x86")
+    prepared = engine.prepare(copy.deepcopy(net), Inputs((x[:2],)), spec)
+    engine.set_phase(prepared, Phase(fake_quant=False, observe=True, bn_frozen=False))
+    with torch.no_grad():
+        torch.testing.assert_close(prepared.eval()(x), expected, atol=1e-5, rtol=1e-4)
+        prepared.train()(x)
+    engine.set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=True))
+    int8 = engine.convert(prepared, spec)
+    for layer in ("encoder_layer_0", "encoder_layer_1"):
+        attention = int8.get_submodule(f"encoder.layers.{layer}.self_attention")
+        assert all(type(getattr(attention, name)).__module__.startswith("torch.ao.nn.quantized") for name in PROJECTIONS)
+    with torch.no_grad():
+        assert int8(x).shape == (8, 10)
