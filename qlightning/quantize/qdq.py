@@ -447,8 +447,21 @@ def _fold_clamping_activations(gm: torch.fx.GraphModule) -> int:
 _FLOAT_PRODUCERS = {torch.ops.aten.gelu.default, torch.ops.aten.layer_norm.default, torch.ops.aten.permute.default}
 
 
+def _requantized_float_op(x: torch.fx.Node) -> bool:
+    """Whether ``x`` is ``dq(q(y))`` of a float op ``y`` of :data:`_FLOAT_PRODUCERS`, or an eval-mode dropout of one:
+    a quantize of ``x`` onto another grid is a requantize inductor compiles into ``y``'s own kernel (a GELU's output
+    onto the grid the dropout after it trained, timm's Mlp), never into an int8 kernel."""
+    qd = quantized_decomposed_ops()
+    if x.target is torch.ops.aten.dropout.default and len(x.args) == 3 and x.args[2] is False:
+        x = x.args[0]
+    q = x.args[0] if isinstance(x, torch.fx.Node) and x.target is qd.dequantize_per_tensor.default and x.args else None
+    y = q.args[0] if isinstance(q, torch.fx.Node) and q.target is qd.quantize_per_tensor.default else None
+    return isinstance(y, torch.fx.Node) and y.target in _FLOAT_PRODUCERS
+
+
 def _narrow_quantizes_after_float_ops(gm: torch.fx.GraphModule) -> int:
-    """``q(x) -> dq -> clamp(lo, hi) -> q`` after a float op ``x`` (GELU, LayerNorm) -> ``q(x, range lo..hi)``.
+    """``q(x) -> dq -> clamp(lo, hi) -> q`` after a float op ``x`` (GELU, LayerNorm) -> ``q(x, range lo..hi)``; also
+    where ``x`` requantizes such an op's codes onto another grid (:func:`_requantized_float_op`).
 
     The same integers (the clamp bounds are grid points: :func:`explicit_activation_clamps` made the chain from that
     quantize). inductor compiled the chain into the op's kernel as two more float -> uint8 -> float round trips, and
@@ -469,7 +482,8 @@ def _narrow_quantizes_after_float_ops(gm: torch.fx.GraphModule) -> int:
         q = dq.args[0]
         x, scale, zero_point = q.args[0], q.args[1], q.args[2]
         tail = next(iter(clamp.users)) if len(clamp.users) == 1 else None
-        if not (isinstance(x, torch.fx.Node) and x.target in _FLOAT_PRODUCERS and isinstance(tail, torch.fx.Node)
+        if not (isinstance(x, torch.fx.Node) and (x.target in _FLOAT_PRODUCERS or _requantized_float_op(x))
+                and isinstance(tail, torch.fx.Node)
                 and tail.target is q_op and tuple(tail.args[1:6]) == tuple(q.args[1:6]) and _grid(dq) == _grid(q)):
             continue
         qmin, qmax = zero_point + round(lo / scale), zero_point + round(hi / scale)
