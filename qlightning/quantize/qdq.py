@@ -522,7 +522,8 @@ def _moves_codes(node: torch.fx.Node) -> bool:
 def _requantize_free_users() -> set[Any]:
     """Users that may read a tensor in place of its identity dequantize (a function: the q/dq ops register lazily)."""
     qd = quantized_decomposed_ops()
-    return {*_DATA_MOVEMENT, torch.ops.aten.max_pool2d.default, torch.ops.aten.clamp.default, qd.quantize_per_tensor.default}
+    return {*_DATA_MOVEMENT, torch.ops.aten.max_pool2d.default, torch.ops.aten.clamp.default,
+            qd.quantize_per_tensor.default}
 
 
 def _codes_of_quantize(q: torch.fx.Node, codes: dict[torch.fx.Node, tuple[Any, ...]]) -> tuple[int, int]:
@@ -602,7 +603,8 @@ def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
     chain after each (``dq -> view -> q -> dq -> clamp -> q -> dq``): shufflenet_v2's channel shuffles are five of
     them in a row, and inductor compiled them into float32 buffers and extra kernels (its fused kernels took 1.0 ms
     a call under FX against 0.47 ms under PT2E). A tensor whose values are the dequantized codes ``a..b`` of a grid
-    (a dequantize of a quantize whose codes are known, or a data-movement op or max pool of one, :func:`_moves_codes`) comes back unchanged from a
+    (a dequantize of a quantize whose codes are known, or a data-movement op or max pool of one,
+    :func:`_moves_codes`) comes back unchanged from a
     quantize onto that grid whose range holds ``a..b`` and the dequantize after it, and from a clamp whose bounds
     hold ``a``'s and ``b``'s values; and a quantize right after the dequantize of such codes, onto their grid, gives
     back the codes themselves, so its users (a conv's dequantize too) read those. Each is checked on every code by
