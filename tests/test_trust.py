@@ -211,6 +211,66 @@ def test_an_agreement_only_breach_still_names_a_layer_to_keep_in_float():
     assert "qconfig_mapping {'module_name': [{'name': 'trunk.block4.f.c.0', 'qconfig': None}]}" in text
 
 
+class _TwoScores(torch.nn.Module):
+    """Two class scores read off the input: ``x[:, 0]`` and ``x[:, 1]``; with ``swap``, rows flagged in ``x[:, 2]``
+    swap them (a candidate that flips exactly those rows' predictions)."""
+
+    def __init__(self, swap: bool = False) -> None:
+        super().__init__()
+        self.swap = swap
+
+    def forward(self, x):
+        scores = x[:, :2]
+        if self.swap:
+            scores = torch.where(x[:, 2:3] > 0.5, scores.flip(1), scores)
+        return scores
+
+
+def _two_score_rows(near_tied: int, flipped: range) -> torch.Tensor:
+    """64 rows: the first ``near_tied`` have scores one part in 10^7 apart, the rest a factor of 2; ``flipped`` rows
+    are flagged for :class:`_TwoScores` to swap."""
+    g = torch.Generator().manual_seed(0)
+    a = 1 + torch.rand(64, generator=g)
+    sign = torch.where(torch.rand(64, generator=g) > 0.5, 1.0, -1.0)
+    b = torch.where(torch.arange(64) < near_tied, a * (1 + 1e-7 * sign), torch.where(sign > 0, 2 * a, a / 2))
+    flag = torch.zeros(64)
+    flag[list(flipped)] = 1.0
+    return torch.stack([a, b, flag], 1)
+
+
+def test_a_breach_on_near_ties_measures_the_reference_against_itself_and_names_no_layer():
+    # the zoo's resnet50 x PT2E (48.6 dB, 2 of 128 predictions flipped, with top-2 margins of 0.03 and 0.04 where the
+    # median is 2.5) and efficientnet_b0 x FX (31 of 128 fake-quant rows with exactly tied quantized top-2 logits):
+    # the gate named a layer to keep in float, which cannot un-flip near-ties; 1e-5 relative noise on the inputs flips
+    # as many of the fake-quant model's own predictions (resnet50 PT2E: 0.984 against itself, the same as int8)
+    from qlightning.core.fidelity import FidelityConfig, Inputs, breach_message, compare_modules
+
+    config = FidelityConfig(min_sqnr_db=25.0, min_top1_agreement=0.99, on_breach="warn")
+    near = _two_score_rows(near_tied=32, flipped=range(4))  # int8 flips 4 of the 32 near-tied rows
+    result = compare_modules("net", _TwoScores(), _TwoScores(swap=True), [Inputs((near[:32],)), Inputs((near[32:],))],
+                             config.min_sqnr_db, config.min_top1_agreement)
+    assert result.top1_agreement == pytest.approx(60 / 64) and result.problems == ["top-1 agreement 0.938 < 0.99"]
+    floor = result.noise_floor
+    assert floor["relative_noise"] == 1e-5 and floor["top1_agreement"] < 60 / 64  # the noise flips more than int8
+    assert result.within_noise_floor
+    result.worst_layers = [["head.fc", 30.1]]  # as a graph's comparison would name one
+    text = breach_message("QuantizationAwareTraining", "the fake-quant model", [result], config, "")
+    assert (f"the fake-quant model against itself on inputs perturbed by 1e-05 (relative): SQNR {floor['sqnr_db']:.1f} dB, "
+            f"top-1 agreement {floor['top1_agreement']:.3f} - int8 flips no more predictions than that") in text
+    assert "near-ties" in text and "qconfig_mapping" not in text
+
+    clear = _two_score_rows(near_tied=0, flipped=range(32, 36))  # the same 4 flips on rows no noise moves
+    result = compare_modules("net", _TwoScores(), _TwoScores(swap=True), [Inputs((clear,))], 25.0, 0.99)
+    assert result.noise_floor["top1_agreement"] == 1.0 and not result.within_noise_floor
+    result.worst_layers = [["head.fc", 30.1]]
+    text = breach_message("QuantizationAwareTraining", "the fake-quant model", [result], config, "")
+    assert "top-1 agreement 1.000" in text and "near-ties" not in text
+    assert "qconfig_mapping {'module_name': [{'name': 'head.fc', 'qconfig': None}]}" in text
+
+    tokens = Inputs((torch.zeros(4, 8, dtype=torch.long),))  # nothing to perturb: no floor, said as before
+    assert compare_modules("net", torch.nn.Embedding(1, 2), torch.nn.Embedding(1, 2), [tokens], 250.0, 0.99).noise_floor is None
+
+
 class _InPlaceReLU6Net(torch.nn.Module):
     """Conv-BN followed by ``ReLU6(inplace=True)`` (torchvision's Conv2dNormActivation in mobilenet_v2): FX fuses
     conv-bn but not the ReLU6, which then rewrites the conv-bn output tensor in place."""

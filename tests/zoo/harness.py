@@ -129,7 +129,9 @@ MODELS: dict[str, ZooModel] = {
 _GATE_NAMES_THE_ROUTE = [
     r"int8 model departs from the fake-quant model",  # the fit-end fidelity gate (on_breach=warn here)
     r"(first departing layer|worst layers): \S+",  # the layer (worst ones when only the agreement breaches)
-    r"qconfig_mapping \{'module_name': \[\{'name': '[^']+', 'qconfig': None\}\]\}",  # the config around it
+    r"the fake-quant model against itself on inputs perturbed by 1e-05",  # the reference's own noise floor
+    # the config around the layer, or (when input noise flips as many predictions) that they are near-ties
+    r"(qconfig_mapping \{'module_name': \[\{'name': '[^']+', 'qconfig': None\}\]\}|sit on near-ties of the fake-quant model)",
 ]
 _ZERO_GAMMA = {
     "status": "refused",
@@ -174,7 +176,9 @@ KNOWN: dict[tuple[str, str], dict[str, Any]] = {
         "status": "below target",
         "says": _GATE_NAMES_THE_ROUTE,
         "note": "at the edge of the 99 % agreement target: int8 vs fake-quant 45-49 dB under PT2E can flip 1-2 of 128 "
-                "near-tied predictions (stop 33: 45.1 dB, 1.000; stop 34, the pools on their own grid: 48.6 dB, 0.984)",
+                "near-tied predictions (stop 33: 45.1 dB, 1.000; stop 34, the pools on their own grid: 48.6 dB, 0.984). "
+                "The fake-quant model against itself with its inputs perturbed by 1e-5 (relative) reads 45.8 dB, 0.984: "
+                "the same flips, so the gate says they are near-ties rather than naming a layer",
     },
     ("efficientnet_b0", "fx"): {
         "status": "below target",
@@ -184,7 +188,10 @@ KNOWN: dict[tuple[str, str], dict[str, Any]] = {
                 "(pool_observers) and compute as trained, as does the dropout (requantize_as_trained); what remains "
                 "is 1-LSB int32 vs float accumulation differences compounding through 16 MBConv blocks (worst at "
                 "features.6-7's depthwise convs). inductor computes the same integers (31.4 dB), so lowering=auto "
-                "ships it",
+                "ships it. Stop 39: each int8 conv, fed the int8 model's own input, gives the fake-quant conv's codes "
+                "in all but 27 of 9.4 million outputs (float32 accumulation), and depth grows those flips to 31.5 dB; "
+                "the fake-quant model against itself with its inputs perturbed by 1e-5 (relative) reads 33.6 dB, "
+                "0.977, and 31 of its 128 rows have exactly tied (quantized) top-2 logits",
     },
     ("timm_vit_tiny", "fx"): {
         "status": "below target",
@@ -365,7 +372,7 @@ def run_case(model_name: str, engine: str, *, max_steps: Optional[int] = None, b
         except Exception as exc:  # noqa: BLE001 - recorded: a refusal names what to change
             result.status = "refused" if type(exc).__name__ in ("ConfigError", "TraceError") else "error"
             result.message = f"{type(exc).__name__}: {exc}"[:1500]
-    result.warnings = [str(w.message)[:800] for w in caught
+    result.warnings = [str(w.message)[:2000] for w in caught
                        if issubclass(w.category, UserWarning) and "qlightning" in str(w.filename) + str(w.message)
                        or "fidelity" in str(w.message).lower()]
     if result.message:
