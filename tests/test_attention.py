@@ -128,8 +128,9 @@ def test_the_prepared_split_restores_its_state_into_a_fresh_prepare():
     assert torch.equal(first(x), second(x))
 
 
-@pytest.mark.parametrize("how", ["option", "object_type", "non_traceable"])
+@pytest.mark.parametrize("how", ["option", "object_type", "non_traceable", "custom_module"])
 def test_a_config_that_names_the_module_keeps_it_whole(how):
+    import torch.ao.nn.quantizable as nnqa
     from torch.ao.quantization import get_default_qat_qconfig_mapping
     from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
 
@@ -138,10 +139,29 @@ def test_a_config_that_names_the_module_keeps_it_whole(how):
         spec["options"] = {"split_attention": False}
     elif how == "object_type":
         spec["qconfig_mapping"] = get_default_qat_qconfig_mapping("x86").set_object_type(nn.MultiheadAttention, None)
-    else:
+    elif how == "non_traceable":
         spec["prepare_custom_config"] = PrepareCustomConfig().set_non_traceable_module_names(["attn"])
+    else:  # torch.ao's own custom-module route: the module reaches it whole and comes out as its observed class
+        spec["prepare_custom_config"] = PrepareCustomConfig().set_float_to_observed_mapping(
+            nn.MultiheadAttention, nnqa.MultiheadAttention)
     prepared = _prepare(RowAttention(), **spec)
-    assert type(prepared.get_submodule("attn")) is nn.MultiheadAttention
+    expected = nnqa.MultiheadAttention if how == "custom_module" else nn.MultiheadAttention
+    assert type(prepared.get_submodule("attn")) is expected
+
+
+@pytest.mark.parametrize("by", ["name", "class"])
+def test_a_standalone_module_config_keeps_the_module_whole(by):
+    # torch.ao then traces nn.MultiheadAttention's own forward as a standalone graph, which fails on its control
+    # flow: the error is torch.ao's, and the model is handed back unsplit
+    from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
+
+    example = (torch.randn(2, 8, 48),) * 3
+    config = (PrepareCustomConfig().set_standalone_module_name("attn", None, example, None, None) if by == "name"
+              else PrepareCustomConfig().set_standalone_module_class(nn.MultiheadAttention, None, example, None, None))
+    net = RowAttention()
+    with pytest.raises(TraceError, match="control flow"):
+        _prepare(net, prepare_custom_config=config)
+    assert type(net.attn) is nn.MultiheadAttention
 
 
 def test_a_failed_prepare_gives_the_model_back_as_it_was():
