@@ -258,6 +258,12 @@ def test_a_breach_on_near_ties_measures_the_reference_against_itself_and_names_n
     assert (f"the fake-quant model against itself on inputs perturbed by 1e-05 (relative): SQNR {floor['sqnr_db']:.1f} dB, "
             f"top-1 agreement {floor['top1_agreement']:.3f} - int8 flips no more predictions than that") in text
     assert "near-ties" in text and "qconfig_mapping" not in text
+    from qlightning.run.summary import verdict_lines  # the run's last screen says it too
+
+    (line,) = verdict_lines({"fidelity": {"net": result.to_dict()}})
+    assert line.startswith("fidelity gate net (int8 vs fake-quant): FAILED, SQNR") and line.endswith(
+        f"against itself on inputs perturbed by 1e-05: SQNR {floor['sqnr_db']} dB, top-1 agreement "
+        f"{floor['top1_agreement']:.3f} (int8 flips no more: near-ties)")
 
     clear = _two_score_rows(near_tied=0, flipped=range(32, 36))  # the same 4 flips on rows no noise moves
     result = compare_modules("net", _TwoScores(), _TwoScores(swap=True), [Inputs((clear,))], 25.0, 0.99)

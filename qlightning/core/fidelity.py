@@ -140,9 +140,10 @@ class ModuleFidelity:
         return not self.problems
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields as a plain dict, plus ``passed``, for report.json."""
+        """All fields as a plain dict, plus ``passed`` and ``within_noise_floor``, for report.json."""
         data = asdict(self)
         data["passed"] = self.passed
+        data["within_noise_floor"] = self.within_noise_floor
         return data
 
     def describe(self) -> str:

@@ -28,6 +28,12 @@ def verdict_lines(result: dict[str, Any]) -> list[str]:
         if check.get("top1_agreement") is not None:
             figures += f", top-1 agreement {check['top1_agreement']:.3f}"
         action = check.get("action")
+        floor = check.get("noise_floor") or {}
+        if floor:  # measured on a breach: how far the fake-quant model moves from itself on input noise
+            figures += (f"; the fake-quant model against itself on inputs perturbed by {floor['relative_noise']:g}: "
+                        f"SQNR {floor['sqnr_db']} dB"
+                        + (f", top-1 agreement {floor['top1_agreement']:.3f}" if floor.get("top1_agreement") is not None else "")
+                        + (" (int8 flips no more: near-ties)" if check.get("within_noise_floor") else ""))
         lines.append(f"fidelity gate {name} (int8 vs fake-quant): {state}, {figures}"
                      + (f"; {action}" if action and action != "kept int8" else ""))
     parity = result.get("parity") or {}
