@@ -590,3 +590,14 @@ def test_schedules_the_run_reaches_pass_the_limit_check(overrides, capsys):
     code = cli_main(["recipes", "validate", "digits_fast", *overrides])
     err = capsys.readouterr().err
     assert code == 0, err
+
+
+@pytest.mark.parametrize("argv,required", [(["recipes", "validate"], "recipe"), (["doctor"], "target")])
+def test_a_missing_argument_names_only_what_is_required(argv, required, capsys):
+    # argparse listed the optional Hydra overrides as required too ("required: recipe, overrides")
+    from qlightning.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"the following arguments are required: {required}")

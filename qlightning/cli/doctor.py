@@ -67,7 +67,7 @@ def main(argv: Sequence[str]) -> int:
                     "fits each one that does not trace, with the config snippet for it.",
     )
     parser.add_argument("target", help="pkg.module:Class (a LightningModule or nn.Module), or recipe=NAME|PATH")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides for a recipe, as for `qlightning train`")
+    parser.add_argument("overrides", nargs="*", default=[], help="Hydra overrides for a recipe, as for `qlightning train`")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-inputs", action="store_true",
                         help="do not run traced graphs on the model's example inputs")

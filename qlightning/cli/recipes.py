@@ -83,7 +83,7 @@ def main(argv: Sequence[str]) -> int:
     show.add_argument("--from", dest="checkpoint", help="a checkpoint written by a QAT run")
     val = sub.add_parser("validate", help="check a recipe without training; exit 1 on any problem")
     val.add_argument("recipe")
-    val.add_argument("overrides", nargs="*", help="extra Hydra overrides, as for `qlightning train`")
+    val.add_argument("overrides", nargs="*", default=[], help="extra Hydra overrides, as for `qlightning train`")
     cp = sub.add_parser("cp", help="copy a recipe to a file you can edit")
     cp.add_argument("recipe")
     cp.add_argument("dest")
