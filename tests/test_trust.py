@@ -273,6 +273,19 @@ def test_a_breach_on_near_ties_measures_the_reference_against_itself_and_names_n
     assert "top-1 agreement 1.000" in text and "near-ties" not in text
     assert "qconfig_mapping {'module_name': [{'name': 'head.fc', 'qconfig': None}]}" in text
 
+    class Masked(_TwoScores):  # an additive mask made of a 0/1 float mask, as Hugging Face models make it
+        def forward(self, x, mask):
+            return super().forward(x) + (1 - mask[:, :2]) * torch.finfo(torch.float32).min
+
+    ones = Inputs((clear, torch.ones(64, 3)))  # the mask is left alone: noise on its ones would swamp every score
+    result = compare_modules("net", Masked(), Masked(swap=True), [ones], 25.0, 0.99)
+    assert result.noise_floor["sqnr_db"] >= 80 and result.noise_floor["top1_agreement"] == 1.0
+    # noise that wrecks the outputs says nothing about ties: no near-tie verdict however many rows it flips
+    wrecked = compare_modules("net", _TwoScores(), _TwoScores(swap=True), [Inputs((near,))], 25.0, 0.99)
+    wrecked.noise_floor["sqnr_db"] = 10.0
+    wrecked.judge_noise_floor(25.0)
+    assert not wrecked.within_noise_floor
+
     tokens = Inputs((torch.zeros(4, 8, dtype=torch.long),))  # nothing to perturb: no floor, said as before
     assert compare_modules("net", torch.nn.Embedding(1, 2), torch.nn.Embedding(1, 2), [tokens], 250.0, 0.99).noise_floor is None
 

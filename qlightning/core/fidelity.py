@@ -124,15 +124,21 @@ class ModuleFidelity:
     action: str = "kept int8"
     against: str = "fake-quant"
     noise_floor: Optional[dict[str, Any]] = None
+    within_noise_floor: bool = False
 
-    @property
-    def within_noise_floor(self) -> bool:
-        """Whether the only breach is top-1 agreement, and int8 flips no more rows than input noise of one part in
-        10^5 flips in the reference itself (:func:`reference_noise_floor`): near-ties, not a departing layer."""
+    def judge_noise_floor(self, min_sqnr_db: float) -> None:
+        """Set :attr:`within_noise_floor`: the only breach is top-1 agreement, input noise of one part in 10^5 flips
+        at least as many of the reference's own rows (:func:`reference_noise_floor`) while leaving its outputs above
+        the SQNR bar (noise that wrecks the outputs says nothing about ties): near-ties, not a departing layer.
+
+        Args:
+            min_sqnr_db: the gate's SQNR threshold.
+        """
         floor = self.noise_floor or {}
-        return (self.error is None and self.sqnr_db is not None and self.top1_agreement is not None
-                and floor.get("top1_agreement") is not None and all(p.startswith("top-1") for p in self.problems)
-                and self.top1_agreement >= floor["top1_agreement"])
+        self.within_noise_floor = bool(
+            self.error is None and self.top1_agreement is not None and floor.get("top1_agreement") is not None
+            and self.problems and all(p.startswith("top-1") for p in self.problems)
+            and floor["sqnr_db"] >= min_sqnr_db and self.top1_agreement >= floor["top1_agreement"])
 
     @property
     def passed(self) -> bool:
@@ -140,10 +146,9 @@ class ModuleFidelity:
         return not self.problems
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields as a plain dict, plus ``passed`` and ``within_noise_floor``, for report.json."""
+        """All fields as a plain dict, plus ``passed``, for report.json."""
         data = asdict(self)
         data["passed"] = self.passed
-        data["within_noise_floor"] = self.within_noise_floor
         return data
 
     def describe(self) -> str:
@@ -394,12 +399,16 @@ NOISE_FLOOR_RELATIVE = 1e-5
 
 
 def _perturbed(batch: Inputs, relative: float, generator: torch.Generator) -> Optional[Inputs]:
-    """``batch`` with every floating-point tensor multiplied by ``1 + relative * N(0, 1)``; ``None`` if it has none."""
+    """``batch`` with every floating-point tensor multiplied by ``1 + relative * N(0, 1)``; ``None`` if it has none.
+
+    Integer-valued tensors are left alone (masks: an attention mask of 0/1 floats becomes an additive mask of
+    ``(1 - m) * min_float``, where noise on the ones would swamp every score)."""
     touched = False
 
     def perturb(value: Any) -> Any:
         nonlocal touched
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.is_quantized:
+        if (isinstance(value, torch.Tensor) and value.is_floating_point() and not value.is_quantized
+                and not bool(torch.all(value == value.round()))):
             touched = True
             noise = torch.randn(value.shape, generator=generator, dtype=torch.float32)
             return value * (1 + relative * noise).to(device=value.device, dtype=value.dtype)
@@ -481,6 +490,7 @@ def compare_modules(
     if result.problems:
         _name_layers(result, reference, candidate, batches, min_sqnr_db)
         result.noise_floor = reference_noise_floor(reference, batches, ref)
+        result.judge_noise_floor(min_sqnr_db)
     return result
 
 
