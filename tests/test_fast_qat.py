@@ -11,6 +11,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from qlightning import Inputs, Phase, QuantSpec, get_engine
@@ -301,3 +303,44 @@ def test_phase_flags_go_through_a_fake_quants_own_setter_when_it_overrides_the_s
         engine.set_phase(model, Phase(fake_quant=True, observe=observe, bn_frozen=False))
         assert [int(m.observer_enabled[0]) for m in model] == [int(observe)] * 2
     assert calls == [False, True, False]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    scale=st.floats(2.0 ** -13, 20.0, allow_nan=False, allow_infinity=False, width=32),
+    bounds=st.sampled_from([(0, 127), (0, 255), (-128, 127), (0, 15)]),
+    zp_share=st.floats(0.0, 1.0),
+    relu=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fake_quant_mask_from_bounds_is_atens_on_every_rounding_edge(scale, bounds, zp_share, relu, seed):
+    """The in-range mask from two comparisons of x (``_in_range_bounds``) against aten's own cachemask kernel, on
+    random values and on every float next to a rounding edge: (k + 0.5) * scale for each code k, the bounds found,
+    their neighbours, and signed zeros and tiny values. Values equal, gradients bit for bit."""
+    import numpy as np
+
+    qmin, qmax = bounds
+    zp = qmin + int(round(zp_share * (qmax - qmin)))
+    lo, hi = qmin - zp, qmax - zp
+    s = torch.tensor([scale], dtype=torch.float32)
+    edges = [np.float32((k + 0.5) * float(s)) for k in range(lo - 2, hi + 2)]
+    found = fast_fq._in_range_bounds(s, lo, hi)
+    assert found is not None
+    edges += list(found)
+    near = []
+    for e in edges:
+        up, down = np.nextafter(e, np.float32(np.inf)), np.nextafter(e, np.float32(-np.inf))
+        near += [e, up, down, np.nextafter(up, np.float32(np.inf)), np.nextafter(down, np.float32(-np.inf))]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.cat([torch.tensor(np.array(near, dtype=np.float32)),
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-45, -1e-45]),
+                   torch.randn(4096, generator=g) * float(s) * (hi - lo) / 3]).requires_grad_()
+    ref_x = x.detach().clone().requires_grad_()
+    ref = torch.fake_quantize_per_tensor_affine(torch.relu(ref_x) if relu else ref_x, s,
+                                                torch.tensor([zp], dtype=torch.int32), qmin, qmax)
+    ref.backward(torch.ones_like(ref))
+    out = (fast_fq._ReluFakeQuant if relu else fast_fq._FakeQuant).apply(x, s, lo, hi)
+    out.backward(torch.ones_like(out))
+    # equal values; the float path rounds -0.3 to -0.0 where aten's integer path gives +0.0 (as before this mask)
+    assert torch.equal(out.detach(), ref.detach())
+    assert torch.equal(x.grad, ref_x.grad)

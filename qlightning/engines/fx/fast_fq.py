@@ -6,7 +6,9 @@ memory over the float step on CPU (``python -m benchmarks profile``), and what r
 
 1. ``aten::_fake_quantize_per_tensor_affine_cachemask``, the element kernel of every activation
    fake-quant, is scalar (~3 ns per element, 5-8x the same arithmetic as vectorized ATen ops) and keeps
-   a 1-byte mask per element. :class:`_FakeQuant`: six vectorized passes, a 1-bit mask.
+   a 1-byte mask per element. :class:`_FakeQuant`: three in-place vectorized passes for the values, and
+   a 1-bit mask from two numpy comparisons of the input with the float bounds of the in-range set
+   (:func:`_in_range_bounds`; torch's bool-producing comparisons are ~6x slower).
 2. With fake-quant off, the fused op still copies its input and multiplies the gradient by a ones mask.
    Here the input is returned as is.
 3. Per-channel weight fake-quant derives every channel's scale / zero point with tensor indexing in a
@@ -77,19 +79,64 @@ def _round_and_clamp(x: torch.Tensor, scale: Any, lo: Any, hi: Any) -> tuple[tor
     return q, torch.clamp(q, lo, hi)
 
 
+def _in_range_bounds(scale: torch.Tensor, lo: int, hi: int) -> Any:
+    """Float32 ``(t_lo, t_hi)`` with ``lo <= round(x * (1 / scale)) <= hi`` exactly when ``t_lo <= x <= t_hi``, for
+    every float32 ``x`` (the fake-quant's own float32 product and round half to even: both sides are monotone in
+    ``x``, so the in-range set is an interval; its ends are found from the real quotient by stepping one float at
+    a time); ``None`` for a per-channel or non-finite scale, or without numpy.
+
+    numpy compares a float32 array with a scalar about 6x faster than torch's bool-producing comparisons on CPU, so
+    the backward mask comes from two comparisons of ``x`` instead of four passes over the rounded values.
+    """
+    if _np is None or not isinstance(lo, int) or scale.numel() != 1:
+        return None
+    f32 = _np.float32
+    inv = f32(1.0) / f32(float(scale))
+    if not _np.isfinite(inv) or inv <= 0:
+        return None
+    up, down = f32(_np.inf), f32(-_np.inf)
+
+    def code(x: Any) -> Any:
+        return _np.rint(f32(x) * inv)
+
+    t_hi = f32((hi + 0.5) / float(inv))
+    while code(t_hi) > hi:
+        t_hi = _np.nextafter(t_hi, down)
+    while code(_np.nextafter(t_hi, up)) <= hi:
+        t_hi = _np.nextafter(t_hi, up)
+    t_lo = f32((lo - 0.5) / float(inv))
+    while code(t_lo) < lo:
+        t_lo = _np.nextafter(t_lo, up)
+    while code(_np.nextafter(t_lo, down)) >= lo:
+        t_lo = _np.nextafter(t_lo, down)
+    return t_lo, t_hi
+
+
+def _packed_mask(keep: Any) -> torch.Tensor:
+    """A numpy bool array as 1 bit per element, the form :func:`_unpack` reads."""
+    return torch.from_numpy(_np.packbits(keep))
+
+
 class _FakeQuant(torch.autograd.Function):
     """``(clamp(round(x / s) + zp, qmin, qmax) - zp) * s`` with the straight-through mask gradient.
 
-    Bit-identical to ``aten::fake_quantize_per_{tensor,channel}_affine_cachemask``: ``x * (1/s)`` in
+    Equal to ``aten::fake_quantize_per_{tensor,channel}_affine_cachemask``: ``x * (1/s)`` in
     float32, round half to even, clamped to ``[qmin - zp, qmax - zp]`` (the same as adding ``zp``,
     clamping and subtracting it again: every value is a small integer), times ``s`` rounded once;
-    backward ``grad * in_range``. Six vectorized passes: ``q - clamp(q)`` is 0 exactly in range, so its
-    float->bool cast is the out-of-range mask (bool-producing comparisons are 5-10x slower on CPU); the
-    mask is kept as 1 bit per element (torch.ao keeps 1 byte).
+    backward ``grad * in_range``. Per-tensor, the mask comes from comparing ``x`` with the float bounds of the
+    in-range set in numpy (:func:`_in_range_bounds`); per-channel, from ``q - clamp(q)``, 0 exactly in range,
+    cast to bool (torch's bool-producing comparisons are 5-10x slower on CPU). The mask is kept as 1 bit per
+    element (torch.ao keeps 1 byte). Values equal aten's, except that a value rounding to zero from below is
+    -0.0 here and +0.0 there.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:  # type: ignore[override]
+        bounds = _in_range_bounds(scale, lo, hi) if ctx.needs_input_grad[0] else None
+        if bounds is not None:  # the mask from two comparisons of x; the values in three passes, in place
+            xn = x.detach().numpy()
+            ctx.save_for_backward(_packed_mask((xn >= bounds[0]) & (xn <= bounds[1])))
+            return torch.mul(x, torch.reciprocal(scale)).round_().clamp_(lo, hi).mul_(scale)
         q, out = _round_and_clamp(x, scale, lo, hi)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(_pack_inverted(q.sub_(out).to(torch.bool)))
@@ -244,6 +291,11 @@ class _ReluFakeQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:  # type: ignore[override]
         r = torch.relu(x)
+        bounds = _in_range_bounds(scale, lo, hi) if ctx.needs_input_grad[0] else None
+        if bounds is not None:  # kept where x > 0 (ReLU's gradient) and relu(x) rounds to at most hi
+            xn = x.detach().numpy()
+            ctx.save_for_backward(_packed_mask((xn > 0) & (xn <= bounds[1])))
+            return r.mul_(torch.reciprocal(scale)).round_().clamp_(lo, hi).mul_(scale)
         q, out = _round_and_clamp(r, scale, lo, hi)
         if ctx.needs_input_grad[0]:
             # q - clamp(q) + 1 - sign(r): 0 exactly where in range and x > 0, >= 1 elsewhere (q >= 0 >= lo,
