@@ -290,12 +290,13 @@ class _ReluFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:  # type: ignore[override]
-        r = torch.relu(x)
         bounds = _in_range_bounds(scale, lo, hi) if ctx.needs_input_grad[0] else None
         if bounds is not None:  # kept where x > 0 (ReLU's gradient) and relu(x) rounds to at most hi
             xn = x.detach().numpy()
             ctx.save_for_backward(_packed_mask((xn > 0) & (xn <= bounds[1])))
-            return r.mul_(torch.reciprocal(scale)).round_().clamp_(lo, hi).mul_(scale)
+            # ReLU as the clamp's lower bound 0 (lo <= 0): the same values, a negative input giving -0.0 or +0.0
+            return torch.mul(x, torch.reciprocal(scale)).round_().clamp_(0, hi).mul_(scale)
+        r = torch.relu(x)
         q, out = _round_and_clamp(r, scale, lo, hi)
         if ctx.needs_input_grad[0]:
             # q - clamp(q) + 1 - sign(r): 0 exactly where in range and x > 0, >= 1 elsewhere (q >= 0 >= lo,
