@@ -509,7 +509,8 @@ def _moves_codes(node: torch.fx.Node) -> bool:
     a max pool (it selects; max commutes with a dequantize, whose scale is positive). A max pool of a window over 25
     elements is not: inductor hands those to aten, whose channels-last max pool keeps window indices in an integer
     of the element's size and refuses 8-bit inputs of over 127 elements per image ("Expected input_depth *
-    input_height * input_width <= ...", ``cpu_max_pool_channels_last``; pytorch/executorch#21820 met it too); smaller ones it compiles to a kernel of its own on the codes (shufflenet_v2's stem: 19 us, against 168 us of
+    input_height * input_width <= ...", ``cpu_max_pool_channels_last``; pytorch/executorch#21820 met it too);
+    smaller ones it compiles to a kernel of its own on the codes (shufflenet_v2's stem: 19 us, against 168 us of
     ``quantized::max_pool2d``, the kernel torchao's x86 passes make of dq -> max_pool2d -> q)."""
     if node.target in _DATA_MOVEMENT:
         return True

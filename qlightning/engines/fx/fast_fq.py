@@ -35,6 +35,7 @@ are untouched; :func:`restore_fake_quant` undoes it.
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any, Iterator
 
@@ -90,8 +91,14 @@ def _in_range_bounds(scale: torch.Tensor, lo: int, hi: int) -> Any:
     """
     if _np is None or not isinstance(lo, int) or scale.numel() != 1:
         return None
+    return _bounds_of(float(scale), lo, hi)
+
+
+@functools.lru_cache(maxsize=4096)
+def _bounds_of(scale: float, lo: int, hi: int) -> Any:
+    """:func:`_in_range_bounds` of a scale's value, remembered: a frozen fake-quant asks for the same one every step."""
     f32 = _np.float32
-    inv = f32(1.0) / f32(float(scale))
+    inv = f32(1.0) / f32(scale)
     if not _np.isfinite(inv) or inv <= 0:
         return None
     up, down = f32(_np.inf), f32(-_np.inf)
