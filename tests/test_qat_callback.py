@@ -370,3 +370,57 @@ def test_fx_engine_missing_gives_a_clear_error_and_import_still_works(engine):
     assert out.returncode == 0, out.stderr
     assert "ERR engine='fx' needs torch.ao FX graph mode quantization" in out.stdout
     assert "use engine='pt2e'" in out.stdout
+
+
+class _WeightRanges(pl.Callback):
+    """The conv-bn weight observers' and the activation observers' ranges after every training step."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps.append({k: v.clone() for k, v in pl_module.net.state_dict().items() if k.endswith(("min_val", "max_val"))})
+
+
+def test_the_float_warm_up_leaves_current_range_weight_observers_alone_and_ships_the_same_int8_model(monkeypatch):
+    """Under the default schedule the conv-bn weight observers keep only the current weights' range, which the
+    first fake-quant step takes anew: they sit out the float warm-up (work with no effect), while the activation
+    observers and the Linear's averaged weight range calibrate. The int8 model is the one observing them gave."""
+    from qlightning.core.schedule import Schedule
+
+    def fit(rest: bool) -> tuple[_WeightRanges, ClassifierModule, QuantizationAwareTraining]:
+        if not rest:
+            monkeypatch.setattr(Schedule, "observes_after_fake_quant_start", lambda self: False)
+        pl.seed_everything(0, verbose=False)
+        model, ranges = ClassifierModule(DigitsCNN()), _WeightRanges()
+        qat = QuantizationAwareTraining(modules=["net"], fidelity={"on_breach": "warn"})
+        make_trainer([qat, ranges], max_epochs=4).fit(model, datamodule=DigitsDataModule(seed=0))
+        monkeypatch.undo()
+        return ranges, model, qat
+
+    rested, model, qat = fit(True)
+    observed, ref_model, ref_qat = fit(False)
+    start = qat.schedule.fake_quant_start.step
+    conv_bn_weights = {k.rsplit(".", 1)[0] for k in rested.steps[0]
+                       if "weight_fake_quant" in k and not k.startswith("classifier")}
+    assert len(conv_bn_weights) == 3 and start > 10
+
+    def moved(steps: list[dict[str, torch.Tensor]], observer: str) -> bool:
+        return any(not torch.equal(steps[0][f"{observer}.{end}"], steps[start - 1][f"{observer}.{end}"])
+                   for end in ("min_val", "max_val"))
+
+    for observer in conv_bn_weights:
+        assert not moved(rested.steps, observer) and moved(observed.steps, observer), observer
+    for key, value in rested.steps[start - 1].items():  # the activations and the Linear calibrated as before
+        if key.rsplit(".", 1)[0] not in conv_bn_weights:
+            assert torch.equal(value, observed.steps[start - 1][key]), key
+    # from the first fake-quant step on, the same ranges; the same int8 model
+    for step in (start, len(rested.steps) - 1):
+        for key, value in rested.steps[step].items():
+            assert torch.equal(value, observed.steps[step][key]), (step, key)
+    shipped, reference = model.net.state_dict(), ref_model.net.state_dict()
+    assert shipped.keys() == reference.keys()
+    for key, value in shipped.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value.int_repr() if value.is_quantized else value,
+                               reference[key].int_repr() if reference[key].is_quantized else reference[key]), key

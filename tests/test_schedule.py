@@ -1,6 +1,7 @@
 import pytest
 
 from qlightning import ConfigError, Milestone, Phase, Schedule
+from qlightning.core.schedule import AutoSchedule
 
 
 def test_phase_is_a_function_of_step_and_epoch():
@@ -43,3 +44,21 @@ def test_bad_milestones_name_the_key(value, fragment):
 
 def test_milestone_str():
     assert str(Milestone(step=5)) == "step 5" and str(Milestone(epoch=2)) == "epoch 2"
+
+
+def test_memoryless_weight_observers_rest_only_in_float_steps_a_later_observing_step_overwrites():
+    """The float warm-up's weight observation is skipped only where an observing fake-quant step is sure to come
+    before a fake-quant step reads the weights' scales: no freeze, or a freeze strictly after the start in the
+    same unit."""
+    auto = AutoSchedule().resolve(100)  # fake-quant from step 50, observers frozen from 85
+    assert auto.phase(0, 0).rest_memoryless_weights and auto.phase(49, 0).rest_memoryless_weights
+    assert not auto.phase(50, 0).rest_memoryless_weights  # the first fake-quant step observes every weight
+    assert not auto.phase(90, 0).rest_memoryless_weights
+    assert Schedule(Milestone(epoch=2)).phase(0, 0).rest_memoryless_weights  # never frozen
+    assert Schedule(Milestone(epoch=2), Milestone(epoch=3)).phase(0, 0).rest_memoryless_weights
+    # frozen at the start: the scales the fake-quant steps use are the warm-up's, so the weights keep observing
+    assert not Schedule(Milestone(step=50), Milestone(step=50)).phase(10, 0).rest_memoryless_weights
+    # a step and an epoch cannot be ordered before the run: observe, to be safe
+    assert not Schedule(Milestone(epoch=2), Milestone(step=500)).phase(0, 0).rest_memoryless_weights
+    assert not Schedule(Milestone(epoch=2), Milestone(epoch=5)).phase(0, 6).rest_memoryless_weights  # frozen
+    assert Phase.FLAGS == ("fake_quant", "observe", "bn_frozen")

@@ -521,8 +521,8 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
         """
         writes = (trainer.global_step + 1) % max(1, trainer.log_every_n_steps) == 0
         if changed or writes:
-            for key, value in vars(phase).items():
-                pl_module.log(f"qat/{key}", float(value), on_step=True, on_epoch=False)
+            for key in Phase.FLAGS:
+                pl_module.log(f"qat/{key}", float(getattr(phase, key)), on_step=True, on_epoch=False)
         if writes:
             # activation scales over training: the report plots their evolution
             for name in self.targets:

@@ -6,7 +6,7 @@ exactly the phase the uninterrupted run was in at that point. Nothing here touch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from qlightning.errors import ConfigError
@@ -101,11 +101,20 @@ class Phase:
         fake_quant: forward passes see quantized numerics (weights and activations).
         observe: observers update their statistics (and hence scales / zero points).
         bn_frozen: BatchNorm running statistics are frozen (fused QAT modules use them).
+        rest_memoryless_weights: weight observers whose state is only their last observation (a moving
+            average with ``averaging_constant=1``, the default mappings' conv-bn weights) skip this step.
+            Set in a float step when the schedule guarantees a fake-quant step that observes before any
+            fake-quant step that reads them: observing the weights in the float warm-up was work whose
+            result the first fake-quant step overwrote (up to rounding).
     """
 
     fake_quant: bool
     observe: bool
     bn_frozen: bool
+    rest_memoryless_weights: bool = field(default=False, compare=False)  # follows from the flags and the schedule
+
+    #: the flags a run logs and reports (``rest_memoryless_weights`` follows from them and the schedule)
+    FLAGS = ("fake_quant", "observe", "bn_frozen")
 
     def describe(self) -> str:
         """The phase in words: fake-quant on/off, observers on/frozen, BN stats frozen/updating."""
@@ -193,11 +202,24 @@ class Schedule:
         def reached(milestone: Optional[Milestone], default: bool) -> bool:
             return default if milestone is None else milestone.reached(global_step, epoch)
 
+        fake_quant = reached(self.fake_quant_start, True)
+        observe = not reached(self.observer_freeze, False)
         return Phase(
-            fake_quant=reached(self.fake_quant_start, True),
-            observe=not reached(self.observer_freeze, False),
+            fake_quant=fake_quant,
+            observe=observe,
             bn_frozen=reached(self.bn_freeze, False),
+            rest_memoryless_weights=observe and not fake_quant and self.observes_after_fake_quant_start(),
         )
+
+    def observes_after_fake_quant_start(self) -> bool:
+        """Whether observers still run at the first fake-quant step: no freeze, or a freeze strictly after the
+        start in the same unit (a start and a freeze in different units cannot be ordered before the run)."""
+        start, freeze = self.fake_quant_start, self.observer_freeze
+        if freeze is None:
+            return True
+        if start is None or (start.step is None) != (freeze.step is None):
+            return False
+        return (freeze.step if freeze.step is not None else freeze.epoch) > (start.step if start.step is not None else start.epoch)
 
 
 @dataclass(frozen=True)

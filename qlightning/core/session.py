@@ -130,7 +130,7 @@ class QuantSession:
 
         session = QuantSession(get_engine("fx"), QuantSpec(backend="x86"), ["net"])
         session.prepare(model)                  # model.net is now fake-quant
-        session.apply_phase(model, Phase(fake_quant=True, observers=True, bn_frozen=False))
+        session.apply_phase(model, Phase(fake_quant=True, observe=True, bn_frozen=False))
         ...                                     # train
         session.convert(model)                  # model.net is now int8
     """

@@ -304,6 +304,18 @@ def register_plain_flag_setters(*functions: Any) -> None:
     _PLAIN_FLAG_SETTERS.update(functions)
 
 
+def keeps_last_observation(fake_quant: nn.Module) -> bool:
+    """Whether ``fake_quant``'s observer state is only its last observation: a moving average with
+    ``averaging_constant=1`` (``min + 1 * (x_min - min)``), which the next observation overwrites, up to that
+    sum's rounding. Learnable fake-quants (LSQ) are not counted: their scale is trained once observers stop.
+
+    Args:
+        fake_quant: a fake-quant module.
+    """
+    observer = getattr(fake_quant, "activation_post_process", None)
+    return getattr(observer, "averaging_constant", None) == 1 and not hasattr(fake_quant, "learning_enabled")
+
+
 def set_flag(fake_quant: nn.Module, flag: str, enabled: bool, setter: Any) -> None:
     """``setter(enabled)`` unless the flag buffer already holds it: on CPU a read costs a third of torch.ao's
     indexed write; on an accelerator the read would wait for the device, so the flag is written. A stock setter's

@@ -18,8 +18,8 @@ from torch import nn
 from qlightning.core.inputs import Inputs, capture_inputs, positional_args
 from qlightning.core.schedule import Phase
 from qlightning.engines.base import (
-    QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, is_fused_fake_quant, quantized_engine,
-    register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
+    QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, is_fused_fake_quant, keeps_last_observation,
+    quantized_engine, register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
 )
 from qlightning.engines.fx.attention import AttentionCore, split_multihead_attention, unsplit
 from qlightning.engines.fx.ao import (
@@ -922,6 +922,8 @@ class FxEngine(QuantEngine):
             members = list(module.modules())
             parts = _PhaseParts(
                 fake_quants=tuple(m for m in members if isinstance(m, self.ao.FakeQuantizeBase)),
+                weight_fake_quants=frozenset(id(fq) for m in members
+                                             if isinstance(fq := getattr(m, "weight_fake_quant", None), self.ao.FakeQuantizeBase)),
                 learnable=tuple(m for m in members if isinstance(m, self.ao.FakeQuantizeBase) and hasattr(m, "learning_enabled")),
                 conv_bns=tuple(m for m in members if type(m) in conv_bn),  # what torch.ao's freeze_bn_stats acts on
                 batch_norms=tuple(m for m in members if isinstance(m, nn.modules.batchnorm._BatchNorm)),
@@ -934,7 +936,9 @@ class FxEngine(QuantEngine):
 
         Args:
             module: the prepared module.
-            phase: the phase to apply; with ``bn_frozen``, unfused BatchNorms are put in eval mode too.
+            phase: the phase to apply; with ``bn_frozen``, unfused BatchNorms are put in eval mode too; with
+                ``rest_memoryless_weights``, the weight fake-quants whose observer keeps only its last observation
+                do not observe (the float warm-up's conv-bn weights by default: 0.07-0.11x of the float step).
         """
         parts = self._phase_parts(module)
         for m in parts.fake_quants:
@@ -942,7 +946,8 @@ class FxEngine(QuantEngine):
             # makes one after each buffer broadcast (DDP), which writes them without a version bump
             m.__dict__.pop("_qlightning_cache", None)
             set_flag(m, "fake_quant_enabled", phase.fake_quant, m.enable_fake_quant)
-            set_flag(m, "observer_enabled", phase.observe, m.enable_observer)
+            rests = phase.rest_memoryless_weights and id(m) in parts.weight_fake_quants and keeps_last_observation(m)
+            set_flag(m, "observer_enabled", phase.observe and not rests, m.enable_observer)
         for m in parts.learnable:
             # _LearnableFakeQuantize (LSQ): observers estimate scale/zero point until they freeze,
             # from then on the optimizer learns them.
@@ -1054,6 +1059,7 @@ class _PhaseParts:
     """What a phase switches in one prepared module (:meth:`FxEngine._phase_parts`)."""
 
     fake_quants: tuple[nn.Module, ...]
+    weight_fake_quants: frozenset[int]  # ids of the fake-quants that are a module's weight_fake_quant
     learnable: tuple[nn.Module, ...]  # fake-quants that learn their scale / zero point (LSQ)
     conv_bns: tuple[nn.Module, ...]
     batch_norms: tuple[nn.Module, ...]

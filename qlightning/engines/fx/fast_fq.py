@@ -418,21 +418,25 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
     Args:
         input: the conv input.
     """
-    running_std = torch.sqrt(self.bn.running_var + self.bn.eps)
-    scale_factor = self.bn.weight / running_std
-    shape = [1] * len(self.weight.shape)
-    shape[0] = -1
-    s = scale_factor.reshape(shape)
     fq = self._modules["weight_fake_quant"]
     enabled = fq._buffers.get("fake_quant_enabled")  # a FakeQuantizeBase's flag (a custom weight module may have none)
     if enabled is not None and input.device.type == "cpu" and enabled.item() != 1:  # on CPU: no device wait
         observing = fq._buffers.get("observer_enabled")
         if observing is None or observing.item() == 1:
             with torch.no_grad():
-                fq(self.weight * s)  # observes (the folded weight, as below); returns its input
+                fq(self.weight * _folding_factor(self))  # observes (the folded weight, as below); returns its input
         return self.bn(self._conv_forward(input, self.weight, self.bias))
+    s = _folding_factor(self)
     weight = _DivideKeepingResult.apply(fq(self.weight * s), s)
     return self.bn(self._conv_forward(input, weight, self.bias))
+
+
+def _folding_factor(conv_bn: nn.Module) -> torch.Tensor:
+    """``gamma / running_std`` of ``conv_bn``'s BatchNorm, shaped to scale its weight's output channels."""
+    scale_factor = conv_bn.bn.weight / torch.sqrt(conv_bn.bn.running_var + conv_bn.bn.eps)
+    shape = [1] * len(conv_bn.weight.shape)
+    shape[0] = -1
+    return scale_factor.reshape(shape)
 
 
 class _DivideKeepingResult(torch.autograd.Function):
