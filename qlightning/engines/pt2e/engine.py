@@ -45,7 +45,7 @@ from torch import nn
 
 from qlightning.engines.base import (
     Inputs, QuantEngine, QuantSpec, ZeroCenteredWeightRange, check_batch_norm_gammas, current_range_weight_ctr,
-    register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
+    keeps_last_observation, register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
 )
 from qlightning.engines.names import plain, resolve_reference
 from qlightning.core.quiet import quiet
@@ -257,6 +257,22 @@ class _PhaseParts:
     quant_modules: tuple[tuple[str, nn.Module], ...]  # top-level fake-quants and plain observers, by name
     learnable: frozenset[int]  # ids of those that learn their scale / zero point (LearnableFakeQuantize)
     graphs: tuple[torch.fx.GraphModule, ...]  # the exported graphs whose dropout / BatchNorm nodes switch
+    weight_fake_quants: frozenset[int]  # ids of the modules called on parameters and buffers alone (weights)
+
+
+def _fed_by_parameters_alone(graphs: tuple[torch.fx.GraphModule, ...]) -> frozenset[int]:
+    """ids of the modules ``graphs`` call on values computed from parameters and buffers alone, no graph input
+    in their ancestry: the weights' fake-quants (a conv-bn's on ``w * gamma / std``). A nested graph's inputs
+    count as data, so a fake-quant there is never taken for a weight's."""
+    found: set[int] = set()
+    for gm in graphs:
+        data: set[torch.fx.Node] = set()
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" or any(arg in data for arg in node.all_input_nodes):
+                data.add(node)
+            elif node.op == "call_module":
+                found.add(id(gm.get_submodule(node.target)))
+    return frozenset(found)
 
 
 # per graph module: its generated code and the graph modules in it (itself included), found again only
@@ -1050,7 +1066,8 @@ class Pt2eEngine(QuantEngine):
                     outer[name] = m
             graphs = tuple(m for m in module.modules() if isinstance(m, _ExportedTrainEval))
             learnable = frozenset(id(m) for m in outer.values() if hasattr(m, "learning_enabled"))
-            parts = self._parts[module] = _PhaseParts(tuple(outer.items()), learnable, graphs)  # type: ignore[arg-type]
+            parts = self._parts[module] = _PhaseParts(
+                tuple(outer.items()), learnable, graphs, _fed_by_parameters_alone(graphs))  # type: ignore[arg-type]
         return parts
 
     def _quant_modules(self, module: nn.Module) -> tuple[tuple[str, nn.Module], ...]:
@@ -1062,13 +1079,15 @@ class Pt2eEngine(QuantEngine):
 
         Args:
             module: the prepared module.
-            phase: the phase to apply.
+            phase: the phase to apply; with ``rest_memoryless_weights``, the weights' fake-quants whose observer
+                keeps only its last observation do not observe.
         """
         parts = self._phase_parts(module)
         for _, m in parts.quant_modules:
             if isinstance(m, self.ao.fake_quant_types):
                 set_flag(m, "fake_quant_enabled", phase.fake_quant, m.enable_fake_quant)
-                set_flag(m, "observer_enabled", phase.observe, m.enable_observer)
+                rests = phase.rest_memoryless_weights and id(m) in parts.weight_fake_quants and keeps_last_observation(m)
+                set_flag(m, "observer_enabled", phase.observe and not rests, m.enable_observer)
                 if id(m) in parts.learnable:  # LearnableFakeQuantize: learn qparams once observers freeze
                     if phase.fake_quant and not phase.observe:
                         m.enable_range_learning()
