@@ -305,3 +305,30 @@ def test_qat_run_keeps_a_ptq_baseline_made_when_fake_quant_starts():
     make_trainer([qat], max_epochs=4).fit(model, datamodule=dm)
     assert int8_layers(qat.ptq_modules["net"]) == {"conv_relu": 3, "linear": 1}
     assert test_accuracy(qat.ptq_modules["net"], dm) > 0.9
+
+
+def test_collecting_inputs_stops_before_the_targets_run():
+    """The fidelity gate's held batches and PTQ's cached calibration inputs need the targets' inputs only: the
+    step stops at the last target's input (a whole forward of the fake-quant model a batch saved at fit end),
+    where calibration (``inputs_only=False``) still runs the targets for their observers."""
+
+    class Counting(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner, self.calls = inner, 0
+
+        def forward(self, x):
+            self.calls += 1
+            return self.inner(x)
+
+    model = ClassifierModule(nn.Sequential(nn.Flatten(), Counting(nn.Linear(64, 32)), nn.ReLU(), Counting(nn.Linear(32, 10))))
+    first, second = model.net[1], model.net[3]
+    batches = [(torch.rand(4, 1, 8, 8), torch.zeros(4, dtype=torch.long)) for _ in range(3)]
+    held = collect_inputs(model, ["net.1", "net.3"], batches, "val")
+    assert [len(held[name]) for name in ("net.1", "net.3")] == [3, 3]
+    assert first.calls == 3 and second.calls == 0  # the first target's output is the second's input
+    for batch, inputs in zip(batches, held["net.3"]):
+        assert torch.equal(inputs.args[0], model.net[2](model.net[1](model.net[0](batch[0]))))
+    assert not second._forward_pre_hooks and not second._forward_hooks
+    ran = run_to_targets(model, ["net.1", "net.3"], lambda: model.validation_step(batches[0], 0))
+    assert ran == ["net.1", "net.3"] and second.calls == 1

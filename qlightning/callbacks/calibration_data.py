@@ -42,7 +42,7 @@ def collect_inputs(
     with RandomStates():
         for i, batch in enumerate(batches):
             batch = compat.to_module_device(batch, pl_module, trainer)
-            run_to_targets(pl_module, targets, lambda: step(batch, i), on_input=keep)
+            run_to_targets(pl_module, targets, lambda: step(batch, i), on_input=keep, inputs_only=True)
     return collected
 
 

@@ -30,6 +30,7 @@ def run_to_targets(
     targets: Sequence[str],
     run: Callable[[], Any],
     on_input: Optional[Callable[[str, Inputs], None]] = None,
+    inputs_only: bool = False,
 ) -> list[str]:
     """Call ``run()`` (a step of ``pl_module``) under ``no_grad`` in eval mode and stop as soon as
     every target submodule has finished its forward; returns the targets that ran.
@@ -43,12 +44,21 @@ def run_to_targets(
         targets: names of its submodules to run up to.
         run: one step of ``pl_module`` (e.g. ``lambda: pl_module.training_step(batch, 0)``).
         on_input: called with each target's name and inputs (as given, not copied) on its first call.
+        inputs_only: stop once every target's inputs were seen, before the last one's forward runs
+            (collecting inputs needs no target forward; calibrating observers does).
     """
     done: list[str] = []
+    seen: list[str] = []
 
     def pre(name: str, inputs: Inputs) -> None:
-        if on_input is not None and name not in done:
+        if name in seen:
+            return
+        seen.append(name)
+        if on_input is not None:
             on_input(name, inputs)
+        if inputs_only and len(seen) == len(targets):
+            done.extend(seen)
+            raise _TargetsDone
 
     def post(name: str) -> None:
         if name not in done:
