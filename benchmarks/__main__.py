@@ -165,6 +165,7 @@ def render(results: dict[str, Any]) -> str:
         ("qlightning FX, fast path off", "... qlightning FX engine, `engine_options.fast_qat=false`"),
         ("qlightning FX", "... qlightning FX engine (default: fast fake-quant & conv-bn)"),
         ("qlightning FX, observers+BN frozen", "... same, observers and BN frozen (late QAT phase)"),
+        ("qlightning FX, float warm-up", "... same, the float warm-up (fake-quant off, activations calibrating)"),
         ("qlightning PT2E", "... qlightning PT2E engine"),
     ]
     for key, label in step_rows:

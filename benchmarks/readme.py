@@ -31,6 +31,7 @@ def _rows() -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
         ("QAT train step / float step: torch.ao FX", over("torch.ao FX")),
         ("QAT train step / float step: qlightning FX", over("qlightning FX")),
         ("... observers and BatchNorm frozen", over("qlightning FX, observers+BN frozen")),
+        ("... float warm-up (the default schedule's first half)", over("qlightning FX, float warm-up")),
         ("float eager / FX int8, batch 1 / 32", lat("fx")),
         ("float eager / `lowering=auto`, batch 1 / 32", lat("lowering=auto")),
         ("peak memory growth of a train step, QAT / float: torch.ao / qlightning",

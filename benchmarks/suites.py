@@ -27,10 +27,13 @@ from torch import nn
 from benchmarks.models import ConvBnReluChain, ModelSpec, model_spec
 from benchmarks.timing import blocked_medians, interleaved_medians, medians
 from qlightning import Inputs, Phase, QuantSpec, get_engine
+from qlightning.core.schedule import AutoSchedule
 
 ROOT = str(Path(__file__).resolve().parents[1])  # the repository root, for the child processes
 QAT_ON = Phase(fake_quant=True, observe=True, bn_frozen=False)
 QAT_FROZEN = Phase(fake_quant=True, observe=False, bn_frozen=True)
+#: the default schedule's first half: float, activation observers calibrating (``Schedule.phase``)
+WARM_UP = AutoSchedule().resolve(100).phase(0, 0)
 
 
 @contextlib.contextmanager
@@ -99,6 +102,7 @@ def qat_step_ratios(spec: ModelSpec, repeats: int, clock: str, pt2e: bool = True
     variants["torch.ao FX"] = set_phase(torchao_fx_prepare(copy.deepcopy(float_model), example), QAT_ON)
     variants["qlightning FX, fast path off"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, fast=False), QAT_ON)
     variants["qlightning FX"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON)
+    variants["qlightning FX, float warm-up"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example), WARM_UP)
     frozen = set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON)
     with torch.no_grad():
         frozen(x)  # observers calibrated once, then frozen (the late QAT phase)
@@ -148,6 +152,7 @@ def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str) -> dict[str,
     variants["float, compiled"] = compiled_float
     variants["torch.ao FX"] = set_phase(torchao_fx_prepare(copy.deepcopy(float_model), example), QAT_ON)
     variants["qlightning FX"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON)
+    variants["qlightning FX, float warm-up"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example), WARM_UP)
     variants["qlightning FX, frozen"] = frozen(set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON))
     for label, frozen_phase in (("qlightning FX compiled", False), ("qlightning FX compiled, frozen", True)):
         module = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, fast=False), QAT_ON)
