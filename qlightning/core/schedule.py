@@ -130,7 +130,8 @@ class Schedule:
 
     ``None`` means: fake-quant from the very first step, observers never frozen, BN never frozen.
     Observers run during the float warm-up (before fake-quant starts) so that the first fake-quant
-    step already has calibrated scales.
+    step already has calibrated scales; weight observers that keep only their last observation rest
+    there when an observing fake-quant step comes first (:attr:`Phase.rest_memoryless_weights`).
 
     Example::
 
