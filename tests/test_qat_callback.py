@@ -373,7 +373,7 @@ def test_fx_engine_missing_gives_a_clear_error_and_import_still_works(engine):
 
 
 class _WeightRanges(pl.Callback):
-    """The conv-bn weight observers' and the activation observers' ranges after every training step."""
+    """Every observer's range after every training step, and which fake-quants keep only the current range."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, torch.Tensor]] = []
@@ -404,7 +404,7 @@ def test_the_float_warm_up_leaves_current_range_weight_observers_alone_and_ships
         return ranges, model, qat
 
     rested, model, qat = fit(True)
-    observed, ref_model, ref_qat = fit(False)
+    observed, ref_model, _ = fit(False)
     start = qat.schedule.fake_quant_start.step
     conv_bn_weights = rested.current_range  # the three conv-bn weights (the Linear's range is averaged)
     assert len(conv_bn_weights) == 3 and start > 10
