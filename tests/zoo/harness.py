@@ -192,9 +192,9 @@ KNOWN: dict[tuple[str, str], dict[str, Any]] = {
                 "ships it. Stop 39: each int8 conv, fed the int8 model's own input, gives the fake-quant conv's codes "
                 "in all but 27 of 9.4 million outputs (float32 accumulation), and depth grows those flips to 31.5 dB; "
                 "the fake-quant model against itself with its inputs perturbed by 1e-5 (relative) reads 33.6 dB, "
-                "0.977, and 31 of its 128 rows have exactly tied (quantized) top-2 logits. Stop 40, seeds 0-4: "
-                "19.8-32.6 dB, 0.969-0.984 (its fake-quant model under that noise: 25-34 dB, 0.938-0.984); longer "
-                "fits (96, 144 steps) 0.969-1.000",
+                "0.977, and 31 of its 128 rows have exactly tied (quantized) top-2 logits. Stop 40, seeds 0-4 (2-4 "
+                "trained on 1 thread): 19.8-32.6 dB, 0.969-0.984 (its fake-quant model under that noise: 25-34 dB, "
+                "0.938-0.984; seed 3 on 2 threads: 30.5 dB, 0.984); longer fits (96, 144 steps) 0.969-1.000",
     },
     ("timm_vit_tiny", "fx"): {
         "status": "below target",
