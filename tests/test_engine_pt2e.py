@@ -793,3 +793,50 @@ def test_per_layer_diagnosis_reads_values_not_integer_codes():
     rows = per_layer_sqnr("", {"fake_quant": prepared, "int8": int8}, [(x,)], (("db", "int8", "fake_quant"),))
     assert "conv.2" in {row["layer"] for row in rows}, rows  # the ReLU whose output the SE pool and the gate's mul read
     assert min(row["db"] for row in rows) >= 30.0, rows  # int8 computes what the fake-quant graph computes
+
+
+def _lean(module: nn.Module) -> bool:
+    from qlightning.engines.base import float_phase_forward
+
+    return getattr(module.__dict__.get("forward"), "__func__", None) is float_phase_forward
+
+
+@pytest.mark.parametrize("phase", [CALIBRATE, FLOAT, QAT], ids=["warm-up", "float", "fake-quant"])
+def test_the_lean_float_phase_trains_and_observes_as_torchaos_op(engine, phase):
+    """``lean_float_phase`` (default on): with fake-quant off, the per-tensor fake-quants observe their input's
+    (min, max) and hand the input on, instead of the op's copy and ones mask. Three Adam steps of the digits CNN in
+    the warm-up (weight observers resting), in float, and with fake-quant on: the same outputs, gradients, weights
+    and quant state, bit for bit, as torchao's own forward; a deepcopy keeps the lean forward bound to itself."""
+    from qlightning.core.schedule import AutoSchedule
+
+    if phase is CALIBRATE:
+        phase = AutoSchedule().resolve(100).phase(0, 0)
+        assert phase.rest_memoryless_weights
+    torch.manual_seed(0)
+    x, y = torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,))
+    net = DigitsCNN()
+    runs = []
+    for lean in (False, True):
+        spec = QuantSpec(backend="x86", options={"lean_float_phase": lean})
+        prepared = engine.prepare(copy.deepcopy(net), Inputs((x[:2],)), spec)
+        lean_forwards = [m for m in prepared.modules() if _lean(m)]
+        assert bool(lean_forwards) == lean
+        engine.set_phase(prepared, phase)
+        optimizer = torch.optim.Adam(prepared.parameters(), lr=1e-2)
+        outputs, grads = [], []
+        for _ in range(3):
+            optimizer.zero_grad()
+            out = prepared(x)
+            nn.functional.cross_entropy(out, y).backward()
+            outputs.append(out.detach().clone())
+            grads.append([p.grad.clone() for p in prepared.parameters()])
+            optimizer.step()
+        runs.append((outputs, grads, prepared.state_dict(), _state(engine, prepared)))
+        if lean:
+            clone = copy.deepcopy(prepared)
+            assert all(m.__dict__["forward"].__self__ is m for m in clone.modules() if _lean(m))
+            assert sum(map(_lean, clone.modules())) == len(lean_forwards)
+    (out_a, grad_a, sd_a, q_a), (out_b, grad_b, sd_b, q_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(out_a, out_b))
+    assert all(torch.equal(a, b) for ga, gb in zip(grad_a, grad_b) for a, b in zip(ga, gb))
+    assert _same(dict(sd_a), dict(sd_b)) and _same(q_a, q_b)

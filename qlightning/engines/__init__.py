@@ -47,6 +47,8 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "pool_observers": (bool, "average pools and means observe their own output instead of sharing their input's grid (as the fx "
                            "engine's option; default true)"),
         "quantize_embeddings": (bool, "embedding tables stored as weight-only uint8 rows (torchao EmbeddingQuantizer; default false)"),
+        "lean_float_phase": (bool, "with fake-quant off (the float warm-up), per-tensor fake-quants observe their input's min and max "
+                             "and return the input itself, without torchao's op copying it (the same state and gradients; default true)"),
     },
 }
 

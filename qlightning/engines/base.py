@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Optional
@@ -392,6 +393,39 @@ def fused_fake_quant(fq: nn.Module, X: torch.Tensor, observe: torch.Tensor, fake
         X, observe, fake_quant, obs.min_val, obs.max_val, fq.scale, fq.zero_point, obs.averaging_constant,
         obs.quant_min, obs.quant_max, fq.ch_axis, fq.is_per_channel, fq.is_symmetric_quant,
     )
+
+
+def float_phase_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
+    """A fused per-tensor fake-quant's forward that, with fake-quant off (the float warm-up), observes ``X``'s
+    ``(min, max)`` as a 2-element tensor and returns ``X`` itself. The op on ``X`` would return a copy of it and
+    build a ones mask for its backward, two full-size passes, for the same observer state (its own moving average
+    of the same min and max) and the same gradient. Otherwise, the class's own forward.
+
+    Args:
+        X: the input.
+    """
+    if (int(self.fake_quant_enabled[0]) == 1 or self.is_per_channel or centres_on_zero(self)
+            or X.device.type != "cpu" or X.dtype != torch.float32 or X.numel() == 0):
+        return type(self).forward(self, X)
+    if int(self.observer_enabled[0]) == 1:
+        with torch.no_grad():
+            fused_fake_quant(self, torch.stack(torch.aminmax(X.detach())), _ON, _OFF)
+    return X
+
+
+def lean_float_phase(module: nn.Module) -> int:
+    """Give every fused per-tensor fake-quant of ``module`` :func:`float_phase_forward` (an instance attribute:
+    ``deepcopy`` binds it to the copy, ``state_dict`` does not change); returns how many.
+
+    Args:
+        module: a QAT-prepared module.
+    """
+    count = 0
+    for fq in module.modules():
+        if is_fused_fake_quant(fq) and not fq.is_per_channel:
+            fq.forward = types.MethodType(float_phase_forward, fq)
+            count += 1
+    return count
 
 
 class ZeroCenteredWeightRange:

@@ -45,7 +45,8 @@ from torch import nn
 
 from qlightning.engines.base import (
     Inputs, QuantEngine, QuantSpec, ZeroCenteredWeightRange, check_batch_norm_gammas, current_range_weight_ctr,
-    keeps_last_observation, register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
+    keeps_last_observation, lean_float_phase, register_plain_flag_setters, set_flag, settle_fake_quant_state,
+    trained_qparams,
 )
 from qlightning.engines.names import plain, resolve_reference
 from qlightning.core.quiet import quiet
@@ -1047,6 +1048,8 @@ class Pt2eEngine(QuantEngine):
             ) from exc
         if spec.is_qat:
             settle_fake_quant_state(prepared)  # no evaluation before training may move a buffer (base.py)
+            if spec.options.get("lean_float_phase", True):
+                lean_float_phase(prepared)
         return _install_train_eval(prepared, training=spec.is_qat)
 
     # ------------------------------------------------------------------ phases
