@@ -404,8 +404,8 @@ def float_phase_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
     Args:
         X: the input.
     """
-    if (int(self.fake_quant_enabled[0]) == 1 or self.is_per_channel or centres_on_zero(self)
-            or X.device.type != "cpu" or X.dtype != torch.float32 or X.numel() == 0):
+    if (X.device.type != "cpu" or X.dtype != torch.float32 or X.numel() == 0 or self.is_per_channel
+            or centres_on_zero(self) or int(self.fake_quant_enabled[0]) == 1):  # (a flag read on CPU only: no device wait)
         return type(self).forward(self, X)
     if int(self.observer_enabled[0]) == 1:
         with torch.no_grad():
