@@ -409,8 +409,24 @@ def float_phase_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
         return type(self).forward(self, X)
     if int(self.observer_enabled[0]) == 1:
         with torch.no_grad():
-            fused_fake_quant(self, torch.stack(torch.aminmax(X.detach())), _ON, _OFF)
+            observe_min_max(self, X.detach())
     return X
+
+
+def observe_min_max(fq: nn.Module, X: torch.Tensor, relu: bool = False) -> None:
+    """Move a per-tensor fused fake-quant's running min/max by ``X`` (``relu(X)``) as the op does, in one pass.
+
+    The op is fed ``(min, max)`` of ``X`` as a 2-element tensor: its aminmax of that is ``X``'s, so the moving
+    average is the op's own, bit for bit, and the full-size copy and ones mask it returns with fake-quant off are
+    two-element ones. ReLU is monotone: ``relu(X)``'s min/max are relu of ``X``'s, so ``relu(X)`` is never built.
+
+    Args:
+        fq: a fused moving-average fake-quant (:func:`is_fused_fake_quant`), per tensor.
+        X: the tensor to observe (detached; the caller holds ``no_grad``).
+        relu: observe ``relu(X)`` instead.
+    """
+    lohi = torch.stack(torch.aminmax(X))
+    fused_fake_quant(fq, torch.relu(lohi) if relu else lohi, _ON, _OFF)
 
 
 def lean_float_phase(module: nn.Module) -> int:

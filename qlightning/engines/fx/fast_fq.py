@@ -42,7 +42,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from qlightning.engines.base import centres_on_zero, straddle_zero_
+from qlightning.engines.base import centres_on_zero, observe_min_max, straddle_zero_
 from qlightning.engines.fx.ao import quiet_torch_ao
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 
@@ -189,12 +189,7 @@ def _fused(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor, observe: torch.
 def _observe(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor, relu: bool = False) -> None:
     """Move the running min/max by ``x`` (``relu(x)``) exactly as the fused op does, in fewer passes."""
     if not self.is_per_channel:
-        # The op's own moving average, fed (min, max) as a 2-element tensor: its aminmax of that is
-        # x's, and with fake-quant off it returns a copy of its input and a ones mask (two full-size
-        # passes thrown away here). ReLU is monotone: relu(x)'s min/max are relu of x's, so relu(x)
-        # itself is never built.
-        lohi = torch.stack(torch.aminmax(x))
-        _fused(self, torch.relu(lohi) if relu else lohi, _ON, _OFF)
+        observe_min_max(self, x, relu)  # the op's own moving average, without its full-size copy and mask
         return
     if relu:
         x = torch.relu(x)
