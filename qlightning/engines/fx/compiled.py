@@ -12,7 +12,11 @@ op keeps its flags in tensors that it reads on the host. Here each ``FusedMoving
   ``ATen/native/quantized/cpu/QuantUtils.h::ChooseQuantizationParams`` (what the fused op calls: float and
   double steps where it has them), so that the qparams are the fused op's own bit for bit;
 * the fake-quant ``(clamp(round(x * (1/s)) + zp, qmin, qmax) - zp) * s`` with the straight-through
-  gradient inside the range (``aten::fake_quantize_per_*_affine_cachemask``'s arithmetic).
+  gradient inside the range (``aten::fake_quantize_per_*_affine_cachemask``'s arithmetic), its mask built in
+  float ops: inductor's C++ code stores a bool tensor an element at a time, and its partitioner saves the
+  smallest tensor for the backward, so any bool on the way was stored (notes/perf.md section 26);
+* a ReLU whose only user is the fake-quant is applied inside it (the eager fast path's
+  ``fuse_relu_fake_quant``), ReLU's gradient in the same float mask, for the same reason.
 
 Eagerly the forward is bit-identical to torch.ao's (outputs, gradients, every buffer: tests). Compiled,
 inductor fuses it with its neighbours; the phase (observers, fake-quant) is a Python tuple that dynamo
@@ -35,6 +39,7 @@ from torch import nn
 
 from qlightning.engines.base import centres_on_zero, straddle_zero_
 from qlightning.engines.fx.ao import quiet_torch_ao
+from qlightning.engines.fx.fast_fq import fuse_relu_fake_quant, unfuse_relu_fake_quant
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 
 with quiet_torch_ao():
@@ -87,7 +92,8 @@ def choose_qparams(min_val: torch.Tensor, max_val: torch.Tensor, qmin: int, qmax
     return scale.float(), zero_point.to(torch.int32)
 
 
-def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int,
+                  relu: bool = False) -> torch.Tensor:
     """``(clamp(round(x * (1/s)) + zp, qmin, qmax) - zp) * s``; gradient 1 where ``round(x/s) + zp`` is in range, else 0.
 
     Args:
@@ -96,14 +102,52 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
         zero_point: the zero point, broadcastable to ``x``.
         qmin: the lowest quantized value.
         qmax: the highest quantized value.
+        relu: fake-quantize ``relu(x)``, with ReLU's gradient (0 where ``x <= 0``) in the same mask.
     """
     with torch.no_grad():
         zp = zero_point.to(x.dtype)
-        q = torch.round(x * torch.reciprocal(scale)) + zp
-        inside = (q >= qmin) & (q <= qmax)
-        out = (torch.clamp(q, qmin, qmax) - zp) * scale
+        q = torch.round((torch.relu(x) if relu else x) * torch.reciprocal(scale)) + zp
+        clamped = torch.clamp(q, qmin, qmax)
+        # The mask in float arithmetic, with no bool on the way: inductor's C++ code stores a bool vector an
+        # element at a time (131k elements: 700 us against 35 us at 1 thread, torch 2.13), and its partitioner
+        # saves the smallest tensor for the backward, so a bool anywhere in the mask got stored. q and its clamp
+        # are integers, so |q - clamp(q)| is 0 inside the range and at least 1 outside: the mask is 1.0 or 0.0,
+        # what a bool promotes to in the product. (A NaN input gets a NaN mask where aten's is 0; its output is
+        # NaN too, so the loss and every gradient before it are NaN either way.)
+        inside = torch.clamp(1.0 - torch.abs(q - clamped), min=0.0)
+        if relu:
+            inside = inside * _positive(x)
+        out = (clamped - zp) * scale
     # forward: out + 0; backward: the mask (the straight-through estimator torch.ao's cachemask ops implement)
     return out + (x - x.detach()) * inside
+
+
+def _positive(x: torch.Tensor) -> torch.Tensor:
+    """1.0 where ``x > 0``, else 0.0 (ReLU's gradient), in float ops: ``torch.relu``'s own backward keeps a bool
+    mask, which inductor stores an element at a time (a compiled ``relu(x) * 2`` of 1M elements, forward and
+    backward: 15.8 ms at 1 thread)."""
+    return torch.clamp(torch.sign(x), min=0.0)
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    """``torch.relu(x)``, its gradient through :func:`_positive`'s float mask.
+
+    Args:
+        x: the input.
+    """
+    with torch.no_grad():
+        out = torch.relu(x)
+    return out + (x - x.detach()) * _positive(x)
+
+
+def _stored_once(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values, as the output of a reduction, which inductor computes once and stores.
+
+    A chain of pointwise ops on a few elements is inlined into each consumer's loop instead: the ~40 scalar steps
+    of :func:`choose_qparams` (double divisions among them) ran once per vector of the fake-quant's input. The
+    maximum of two copies of ``t`` is ``t`` bit for bit.
+    """
+    return torch.stack([t, t]).amax(0)
 
 
 def _flags(fq: FusedMovingAvgObsFakeQuantize) -> tuple[bool, bool]:
@@ -122,6 +166,7 @@ def traceable_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> t
     obs = self.activation_post_process
     # compiled: the guarded Python copy of the flags (refreshed by the compiled caller); eager: the buffers
     observe, fake_quant = self.__dict__["_qlightning_flags"] if torch.compiler.is_compiling() else _flags(self)
+    relu_first = self.__dict__.get("_qlightning_relu", False)  # the ReLU before it is fused in (make_traceable)
     qmin, qmax = obs.quant_min, obs.quant_max
     min_val, max_val = obs.min_val, obs.max_val
     if observe:
@@ -135,18 +180,22 @@ def traceable_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> t
                 current_min, current_max = rows.amin(1), rows.amax(1)
             else:
                 current_min, current_max = torch.aminmax(x)
+                if relu_first:  # ReLU is monotone: the range of relu(x) is relu of x's
+                    current_min, current_max = torch.relu(current_min), torch.relu(current_max)
             c = obs.averaging_constant
             min_val.copy_(torch.where(torch.isinf(min_val), current_min, min_val + c * (current_min - min_val)))
             max_val.copy_(torch.where(torch.isinf(max_val), current_max, max_val + c * (current_max - max_val)))
             if centres_on_zero(self):  # ZeroCenteredWeightRange
                 straddle_zero_(obs)
     if not fake_quant:
-        return X
+        return relu(X) if relu_first else X
     if observe:
         with torch.no_grad():
             scale, zero_point = choose_qparams(min_val, max_val, qmin, qmax, self.is_symmetric_quant)
             self.scale.copy_(scale)
             self.zero_point.copy_(zero_point)
+            if torch.compiler.is_compiling():
+                scale, zero_point = _stored_once(scale), _stored_once(zero_point)
     else:
         # min/max do not move: the qparams the fused op would recompute are those of the last change, which
         # sync_qparams computes outside the graph (in the compiled caller; here when eager)
@@ -156,7 +205,7 @@ def traceable_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> t
     if self.is_per_channel:
         shape = [-1 if i == self.ch_axis else 1 for i in range(X.dim())]
         scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
-    return fake_quantize(X, scale, zero_point, qmin, qmax)
+    return fake_quantize(X, scale, zero_point, qmin, qmax, relu=relu_first)
 
 
 def sync_qparams(m: FusedMovingAvgObsFakeQuantize) -> None:
@@ -205,8 +254,12 @@ def traceable_fake_quants(module: nn.Module) -> Iterator[FusedMovingAvgObsFakeQu
         module: the prepared module whose submodules are searched.
     """
     for m in module.modules():
-        if _eligible(m) and m.__dict__.get("forward") is not None and m.__dict__["forward"].__func__ is traceable_forward:
+        if _is_traceable(m):
             yield m
+
+
+def _is_traceable(m: nn.Module) -> bool:
+    return _eligible(m) and getattr(m.__dict__.get("forward"), "__func__", None) is traceable_forward
 
 
 def make_traceable(module: nn.Module) -> int:
@@ -230,6 +283,7 @@ def make_traceable(module: nn.Module) -> int:
         m.forward = types.MethodType(traceable_forward, m)
         m.__dict__["_qlightning_flags"] = _flags(m)
         count += 1
+    fuse_relu_fake_quant(module, applies_relu=_is_traceable)
     return count
 
 
@@ -284,8 +338,11 @@ def decompile(module: nn.Module) -> int:
     for m in module.modules():
         if m.__dict__.pop("_qlightning_compiled", None) is not None:
             m.__dict__.pop("forward", None)
+    traceable = list(traceable_fake_quants(module))
+    if traceable:  # the ReLUs fused by make_traceable (a module on the eager fast path keeps the fast path's)
+        unfuse_relu_fake_quant(module)
     count = 0
-    for m in list(traceable_fake_quants(module)):
+    for m in traceable:
         del m.forward
         m.__dict__.pop("_qlightning_flags", None)
         m.__dict__.pop("_qlightning_channels", None)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -494,15 +494,17 @@ def _patch(m: nn.Module, name: str, fn: Any) -> None:
     m.__dict__[name] = types.MethodType(fn, m)
 
 
-def fuse_relu_fake_quant(gm: nn.Module) -> int:
-    """Let each fast fake-quant that only follows a ``ConvBnReLU*d`` or ``nn.ReLU`` apply that ReLU itself.
+def fuse_relu_fake_quant(gm: nn.Module, applies_relu: Callable[[nn.Module], bool] = is_fast) -> int:
+    """Let each fake-quant that only follows a ``ConvBnReLU*d`` or ``nn.ReLU`` apply that ReLU itself.
 
     Only where the ReLU's output has no other user, both modules are called once in the graph (torch.ao
     shares one observer between ops that share qparams; models reuse one ``nn.ReLU``) and the fake-quant
-    is per-tensor. Returns how many pairs were fused.
+    is per-tensor. The fake-quant is flagged ``_qlightning_relu``; its forward must honour the flag. Returns
+    how many pairs were fused (:func:`unfuse_relu_fake_quant` undoes them).
 
     Args:
         gm: the prepared GraphModule (a module without a graph fuses nothing).
+        applies_relu: whether a fake-quant's forward applies the ReLU when flagged (default: the fast path's).
     """
     graph = getattr(gm, "graph", None)
     if graph is None:
@@ -525,12 +527,26 @@ def fuse_relu_fake_quant(gm: nn.Module) -> int:
         fq = gm.get_submodule(user.target)
         if calls.get(id(fq)) != 1:
             continue
-        if not is_fast(fq) or fq.is_per_channel:
+        if not applies_relu(fq) or fq.is_per_channel:
             continue
         _patch(producer, "forward", _identity if type(producer) is nn.ReLU else _conv_bn_without_relu)
         fq.__dict__["_qlightning_relu"] = True
         fused += 1
     return fused
+
+
+def unfuse_relu_fake_quant(module: nn.Module) -> int:
+    """Undo :func:`fuse_relu_fake_quant` alone: the ReLUs run their own forwards again; returns how many.
+
+    Args:
+        module: the prepared module.
+    """
+    count = 0
+    for m in module.modules():
+        if getattr(m.__dict__.get("forward"), "__func__", None) in (_identity, _conv_bn_without_relu):
+            del m.__dict__["forward"]
+        count += m.__dict__.pop("_qlightning_relu", False) is True
+    return count
 
 
 def swap_fake_quant(module: nn.Module, fake_quant: bool = True, conv_bn: bool = False, relu: bool | None = None,
