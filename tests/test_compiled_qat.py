@@ -40,6 +40,8 @@ def test_traceable_fake_quant_is_torch_aos_fused_op_bit_for_bit(net_cls):
     traceable = copy.deepcopy(reference)
     assert make_traceable(traceable) >= 5
     assert sum(m.__dict__.get("_qlightning_relu", False) for m in traceable.modules()) >= 1
+    relus = [m for m in traceable.modules() if type(m) is torch.nn.ReLU or type(m).__name__.startswith("ConvBnReLU")]
+    assert relus and all("forward" in m.__dict__ for m in relus)  # fused, or with the float mask (a shared ReLU)
     _train(reference, x, y, 7, PHASES)
     _train(traceable, x, y, 7, PHASES)
     expected, got = reference.state_dict(), traceable.state_dict()

@@ -39,7 +39,7 @@ from torch import nn
 
 from qlightning.engines.base import centres_on_zero, straddle_zero_
 from qlightning.engines.fx.ao import quiet_torch_ao
-from qlightning.engines.fx.fast_fq import fuse_relu_fake_quant, unfuse_relu_fake_quant
+from qlightning.engines.fx.fast_fq import CONV_BN_RELU, fuse_relu_fake_quant, unfuse_relu_fake_quant
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 
 with quiet_torch_ao():
@@ -284,7 +284,33 @@ def make_traceable(module: nn.Module) -> int:
         m.__dict__["_qlightning_flags"] = _flags(m)
         count += 1
     fuse_relu_fake_quant(module, applies_relu=_is_traceable)
+    _float_mask_relus(module)
     return count
+
+
+def _float_mask_relus(module: nn.Module) -> int:
+    """Give every ReLU module not fused into a fake-quant (a shared ``nn.ReLU``, one before anything else) the
+    float mask of :func:`relu`; return how many. ``torch.relu``'s own backward would keep a bool one."""
+    count = 0
+    for m in module.modules():
+        if "forward" in m.__dict__:  # fused into the fake-quant after it (or the compiled root)
+            continue
+        if type(m) is nn.ReLU:
+            m.forward = types.MethodType(_relu_forward, m)
+            count += 1
+        elif type(m) in CONV_BN_RELU:
+            m.forward = types.MethodType(_conv_bn_relu_forward, m)
+            count += 1
+    return count
+
+
+def _relu_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    return relu(input)
+
+
+def _conv_bn_relu_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """``ConvBnReLU*d.forward`` (``F.relu(self._forward(input))``) with :func:`relu`'s float mask."""
+    return relu(self._forward(input))
 
 
 def _refresh_flags(fake_quants: list[FusedMovingAvgObsFakeQuantize]) -> None:
@@ -341,6 +367,9 @@ def decompile(module: nn.Module) -> int:
     traceable = list(traceable_fake_quants(module))
     if traceable:  # the ReLUs fused by make_traceable (a module on the eager fast path keeps the fast path's)
         unfuse_relu_fake_quant(module)
+    for m in module.modules():
+        if getattr(m.__dict__.get("forward"), "__func__", None) in (_relu_forward, _conv_bn_relu_forward):
+            del m.__dict__["forward"]
     count = 0
     for m in traceable:
         del m.forward

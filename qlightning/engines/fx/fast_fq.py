@@ -472,6 +472,7 @@ with quiet_torch_ao():
 
 _CONV_BN = (_nniqat.ConvBn1d, _nniqat.ConvBn2d, _nniqat.ConvBn3d)
 _CONV_BN_RELU = (_nniqat.ConvBnReLU1d, _nniqat.ConvBnReLU2d, _nniqat.ConvBnReLU3d)
+CONV_BN_RELU = _CONV_BN_RELU  # the compiled path's ReLUs too
 
 
 def _eligible(m: nn.Module) -> bool:
