@@ -62,8 +62,10 @@ def test_existing_output_is_refused_unless_overwrite(results_dir, tmp_path):
 def test_readme_table_is_generated_from_the_committed_results():
     text = (ROOT / "README.md").read_text()
     results = json.loads(readme.RESULTS_FILE.read_text())
-    assert readme.readme_block(text) == readme.block(results, "benchmarks/results/latest.json"), (
-        "README's benchmarks table differs from benchmarks/results/latest.json: run `python -m benchmarks readme --write`"
+    compiled = json.loads(readme.COMPILE_FILE.read_text())
+    sources = "benchmarks/results/latest.json and benchmarks/results/compile.json"
+    assert readme.readme_block(text) == readme.block(results, sources, compiled), (
+        f"README's benchmarks table differs from {sources}: run `python -m benchmarks readme --write`"
     )
 
 
@@ -79,4 +81,9 @@ def test_readme_table_marks_missing_figures(tmp_path):
     readme_file.write_text("intro\n\n" + readme.block({"models": {}}, "x.json") + "\n\nafter\n")
     readme.main(readme.RESULTS_FILE, write=True, readme=readme_file)
     assert readme_file.read_text().startswith("intro\n\n") and readme_file.read_text().endswith("\n\nafter\n")
-    assert readme.readme_block(readme_file.read_text()) == readme.block(json.loads(readme.RESULTS_FILE.read_text()), "benchmarks/results/latest.json")
+    assert readme.readme_block(readme_file.read_text()) == readme.block(
+        json.loads(readme.RESULTS_FILE.read_text()), "benchmarks/results/latest.json and benchmarks/results/compile.json",
+        json.loads(readme.COMPILE_FILE.read_text()))
+    compiled = json.loads(readme.COMPILE_FILE.read_text())
+    del compiled["models"]["transformer"]
+    assert "| ... its compiles, observing + frozen graphs (cold cache) | 38 + 11 s | 165 + 33 s | n/a |" in readme.table(results, compiled)
