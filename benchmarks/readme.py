@@ -71,8 +71,9 @@ def table(results: dict[str, Any], compiled: dict[str, Any] | None = None) -> st
     models = results.get("models", {})
     lines = ["| figure | " + " | ".join(title for _, title in COLUMNS) + " |", "| --- |" + " --- |" * len(COLUMNS)]
     rows = [(label, get, models) for label, get in _rows()]
-    if compiled is not None:
-        rows[4:4] = [(label, get, compiled.get("models", {})) for label, get in _compiled_rows()]
+    if compiled is not None:  # after the eager step rows, before the int8 latency ones
+        at = 1 + max(i for i, (label, _, _) in enumerate(rows) if label.startswith(("QAT train step", "...")))
+        rows[at:at] = [(label, get, compiled.get("models", {})) for label, get in _compiled_rows()]
     for label, get, source in rows:
         lines.append(f"| {label} | " + " | ".join(_cells(source, get)) + " |")
     scaling = results.get("scaling") or {}
