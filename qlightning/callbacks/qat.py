@@ -467,7 +467,8 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
             left: Optional[float] = float(trainer.estimated_stepping_batches) - trainer.global_step
         except Exception:  # no known length
             left = None
-        self._compiler.decide(left, phases_left(self.schedule, trainer.global_step, trainer.current_epoch))
+        self._compiler.decide(left, phases_left(self.schedule, trainer.global_step, trainer.current_epoch),
+                              self.session.fake_quant_count(pl_module))
         self._settle_compile(pl_module)
 
     # ------------------------------------------------------------------ schedule

@@ -2,7 +2,8 @@
 
 ``on`` compiles from the first step, ``off`` never; ``auto`` times a few eager training steps and compiles
 when the time the compiled path would save over the run's remaining steps exceeds what compiling costs
-(one compile per phase still to come: the schedule's phases are guarded state, so each recompiles once).
+(one compile per phase still to come: the schedule's phases are guarded state, so each recompiles once; the
+first grows with the model's fake-quants).
 Engine-neutral and Lightning-free: the callback feeds it step times and asks.
 """
 
@@ -17,9 +18,14 @@ from qlightning.core.schedule import Schedule
 #: fraction of an eager QAT step the compiled path saves: a low figure of ``python -m benchmarks compile``
 #: (digits CNN, ResNet-18-like, Transformer; observing and frozen phases, 1 thread, notes/perf.md)
 EXPECTED_SAVING = 0.2
-#: seconds of one compile (forward and backward graphs, inductor on CPU, cold cache); measured 20-80 s for
-#: the digits CNN on 2 busy cores, more for deeper models (notes/perf.md)
-COMPILE_SECONDS = 90.0
+#: a run's first compile (forward and backward graphs, inductor on CPU, cold cache) takes about
+#: ``COMPILE_BASE_SECONDS + COMPILE_SECONDS_PER_FAKE_QUANT * fake-quants``: fitted to ``python -m benchmarks
+#: compile`` on a 2-core Xeon, the batch dimension dynamic (digits CNN, 10 fake-quants: 47 s; ResNet-18-like, 52:
+#: 184-192 s; Transformer, 87: 290 s; notes/perf.md section 27); one flat 90 s had read a third of the largest
+COMPILE_BASE_SECONDS = 15.0
+COMPILE_SECONDS_PER_FAKE_QUANT = 3.2
+#: a later phase's compile over the first's (it reuses the first's kernels: 0.21-0.30 in the same benchmark)
+LATER_COMPILE_FRACTION = 0.3
 #: eager steps timed before ``auto`` decides (after the first step of the fit, which pays allocations)
 TIMED_STEPS = 4
 
@@ -34,6 +40,7 @@ class CompileChoice:
     eager_step_ms: Optional[float] = None
     steps_left: Optional[int] = None
     compiles_expected: Optional[int] = None
+    compile_seconds_expected: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:
         """The fields that are set, as a plain dict (``None`` fields left out) for report.json."""
@@ -59,6 +66,22 @@ def phases_left(schedule: Schedule, global_step: int, epoch: int) -> int:
     ahead = [m for m in (schedule.fake_quant_start, schedule.observer_freeze, schedule.bn_freeze)
              if m is not None and not m.reached(global_step, epoch)]
     return 1 + len(ahead)
+
+
+def compile_seconds(fake_quants: int, compiles: int) -> float:
+    """Seconds the run's compiles are expected to take: the first by the module's size, each later one a fraction.
+
+    Args:
+        fake_quants: fake-quant modules in the compiled targets (the compiled graphs grow with them).
+        compiles: compiles the rest of the run needs (e.g. :func:`phases_left`); 0 costs nothing.
+
+    Returns:
+        ``first * (1 + LATER_COMPILE_FRACTION * (compiles - 1))``, ``first`` from the fit above.
+    """
+    if compiles <= 0:
+        return 0.0
+    first = COMPILE_BASE_SECONDS + COMPILE_SECONDS_PER_FAKE_QUANT * fake_quants
+    return first * (1 + LATER_COMPILE_FRACTION * (compiles - 1))
 
 
 class CompileDecider:
@@ -102,8 +125,8 @@ class CompileDecider:
         """Whether no choice is made yet and more than ``TIMED_STEPS`` step times are in (the first is not counted)."""
         return self.pending and len(self.step_seconds) > TIMED_STEPS  # the first one is not counted
 
-    def decide(self, steps_left: Optional[float], compiles: int) -> CompileChoice:
-        """``auto``: compile when ``steps_left * eager step * EXPECTED_SAVING > compiles * COMPILE_SECONDS``.
+    def decide(self, steps_left: Optional[float], compiles: int, fake_quants: int) -> CompileChoice:
+        """``auto``: compile when ``steps_left * eager step * EXPECTED_SAVING > compile_seconds(fake_quants, compiles)``.
 
         The eager step is the median of the recorded step times after the first. The choice is also stored
         in ``self.choice``.
@@ -111,6 +134,7 @@ class CompileDecider:
         Args:
             steps_left: training steps still to run; ``None`` or infinity (unknown length) means no compile.
             compiles: compiles the rest of the run needs (e.g. :func:`phases_left`).
+            fake_quants: fake-quant modules in the targets that would be compiled (:func:`compile_seconds`).
 
         Returns:
             The :class:`CompileChoice`, with the figures it was made from.
@@ -119,9 +143,10 @@ class CompileDecider:
         if steps_left is None or steps_left == float("inf"):
             self.choice = CompileChoice(self.mode, False, "the fit has no known length", round(step * 1e3, 2))
             return self.choice
-        saved, cost = steps_left * step * EXPECTED_SAVING, compiles * COMPILE_SECONDS
+        saved, cost = steps_left * step * EXPECTED_SAVING, compile_seconds(fake_quants, compiles)
         compiled = saved > cost
         reason = (f"{int(steps_left)} steps left x {step * 1e3:.1f} ms eager: about {saved:.0f} s to save "
-                  f"{'>' if compiled else '<='} {compiles} compile(s) x {COMPILE_SECONDS:.0f} s")
-        self.choice = CompileChoice(self.mode, compiled, reason, round(step * 1e3, 2), int(steps_left), compiles)
+                  f"{'>' if compiled else '<='} about {cost:.0f} s for {compiles} compile(s) of {fake_quants} fake-quants")
+        self.choice = CompileChoice(self.mode, compiled, reason, round(step * 1e3, 2), int(steps_left), compiles,
+                                    round(cost, 1))
         return self.choice

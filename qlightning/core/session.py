@@ -303,6 +303,14 @@ class QuantSession:
         """
         return all([self.engine.compile_training(module) for module in self.modules(root).values()])
 
+    def fake_quant_count(self, root: nn.Module) -> int:
+        """How many fake-quants the targets hold (what a compile of their training forwards grows with).
+
+        Args:
+            root: the model.
+        """
+        return sum(len(self.engine.describe_qparams(module)) for module in self.modules(root).values())
+
     def set_observers(self, root: nn.Module, enabled: bool) -> None:
         """Observer updates of every target on or off (nothing else changes).
 

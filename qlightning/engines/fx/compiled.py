@@ -22,7 +22,8 @@ Eagerly the forward is bit-identical to torch.ao's (outputs, gradients, every bu
 inductor fuses it with its neighbours; the phase (observers, fake-quant) is a Python tuple that dynamo
 guards on, refreshed from the modules' flag buffers before every compiled call, so a phase change
 recompiles once instead of breaking the graph, and the buffers stay the single source of truth
-(checkpoints, DDP broadcasts, torch.ao's own ``enable_observer``). Compiled results differ from eager by
+(checkpoints, DDP broadcasts, torch.ao's own ``enable_observer``). The batch dimension is dynamic from the
+first compile, so an epoch's last, smaller batch does not compile again. Compiled results differ from eager by
 float rounding (inductor reorders reductions), as compiled float training does.
 
 Classes, buffers and ``state_dict`` keys stay torch.ao's, so ``convert_fx`` is unchanged; :func:`decompile`
@@ -325,13 +326,28 @@ def _refresh_flags(fake_quants: list[FusedMovingAvgObsFakeQuantize]) -> None:
             sync_qparams(m)
 
 
+def _batch_dims_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Let dim 0 of the tensor inputs vary in the compiled graph from the first compile on.
+
+    Otherwise dynamo specializes the first graph to the batch size and recompiles when an epoch's last, smaller
+    batch arrives, in every phase, for as long as the first compile or longer (the observing phase: 42 s, then
+    42 s again for the digits CNN; 170 s, then 187 s for the ResNet-18-like net on this CPU; notes/perf.md section
+    27). ``maybe_mark_dynamic`` leaves a dimension static where the model needs it to be; a batch under 16 still
+    recompiles once, as convolution's shape function guards on ``16 <= batch``.
+    """
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(value, 0)
+
+
 def compile_for_training(module: nn.Module, **compile_kwargs: Any) -> int:
     """Training forwards of ``module`` run compiled (eval, and forwards without grad, stay eager).
 
     The fake-quants are made traceable (:func:`make_traceable`); ``module.forward`` becomes a dispatcher that
-    refreshes their flags from the buffers and calls ``torch.compile(forward)`` in training mode. A deep copy
-    of ``module`` (the engine copies before converting) runs eagerly: the dispatcher only calls the compiled
-    function of the module it was made for. Returns the number of traceable fake-quants.
+    refreshes their flags from the buffers and calls ``torch.compile(forward)`` in training mode, its inputs'
+    batch dimension dynamic (one graph a phase whatever the batch size). A deep copy of ``module`` (the engine
+    copies before converting) runs eagerly: the dispatcher only calls the compiled function of the module it was
+    made for. Returns the number of traceable fake-quants.
 
     Args:
         module: the prepared module; any earlier compile is undone first (:func:`decompile`).
@@ -347,6 +363,7 @@ def compile_for_training(module: nn.Module, **compile_kwargs: Any) -> int:
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if id(self) == owner and self.training and torch.is_grad_enabled():
             _refresh_flags(fake_quants)
+            _batch_dims_dynamic(args, kwargs)
             return compiled(*args, **kwargs)
         return type(self).forward(self, *args, **kwargs)
 
