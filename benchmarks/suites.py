@@ -171,6 +171,15 @@ def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str) -> dict[str,
     figures["over_compiled_float"] = {k: round(v / step["float, compiled"], 3) for k, v in step.items()
                                       if "compiled" in k and k != "float, compiled"}
     figures["first_two_steps_s"] = compile_s
+    # an epoch's last, smaller batch (two thirds of the batch, at least 16: convolutions guard on a batch of 16)
+    last = max(16, spec.train_batch * 2 // 3)
+    last_batch_s = {}
+    for name, module in variants.items():
+        if "compiled" in name and name != "float, compiled" and last < spec.train_batch:
+            start = time.perf_counter()
+            train_step(module, x[:last], y[:last])()
+            last_batch_s[name] = round(time.perf_counter() - start, 2)
+    figures["last_batch"] = {"batch": last, "first_step_s": last_batch_s}
     return figures
 
 
