@@ -115,8 +115,8 @@ def test_auto_compiles_only_when_the_saving_pays_for_the_compiles():
 
 def test_compile_estimate_grows_with_the_model_and_is_near_what_the_benchmark_measured():
     """The first compile's estimate against ``python -m benchmarks compile``'s cold compiles of the observing phase
-    (benchmarks/results/compile.json, this CPU): within 25 %, where one flat 90 s was 2.8x too little for the
-    Transformer (section 27)."""
+    (benchmarks/results/compile.json, this CPU): within 25 %, where one flat 90 s was a third of the
+    Transformer's 290 s (section 27)."""
     import json
     from pathlib import Path
 
@@ -192,7 +192,7 @@ def test_compiled_fit_trains_like_eager_and_converts_to_the_same_int8_model():
 
 def test_an_epochs_last_smaller_batch_does_not_recompile():
     """The batch dimension is dynamic from the first compile: a second compile for the last batch cost as much as
-    the first (38 s for the digits CNN) in every phase. Graphs are counted with a backend that runs them eagerly."""
+    the first (42 s for the digits CNN) in every phase. Graphs are counted with a backend that runs them eagerly."""
     torch._dynamo.reset()
     x, y = _data()
     prepared = _prepare(DigitsClassifier().net, x)
