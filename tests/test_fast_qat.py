@@ -39,6 +39,27 @@ class ResBlockNet(nn.Module):
         return self.head(torch.flatten(self.shared(x), 1))
 
 
+class HeadsNet(nn.Module):
+    """Attention over a digit's 8 rows (tokens of 8 pixels) in 4 heads: matmul's fake-quants see transposed,
+    non-contiguous views (the Transformer's layout), and a residual add + nn.ReLU is fused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 256)
+        self.q, self.k, self.v, self.out = (nn.Linear(256, 256) for _ in range(4))
+        self.relu = nn.ReLU()
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.embed(x.reshape(-1, 8, 8))
+        q = self.q(t).reshape(-1, 8, 4, 64).transpose(1, 2)
+        k = self.k(t).reshape(-1, 8, 4, 64).transpose(1, 2)
+        v = self.v(t).reshape(-1, 8, 4, 64).transpose(1, 2)
+        attention = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) * 0.125, dim=-1)
+        context = torch.matmul(attention, v).transpose(1, 2).reshape(-1, 8, 256)
+        return self.head(self.relu(self.out(context) + t).mean(1))
+
+
 def _data(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     dm = DigitsDataModule(seed=0)
     dm.setup()
@@ -67,7 +88,7 @@ def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, phase
     return model
 
 
-@pytest.mark.parametrize("net_cls", [DigitsCNN, ResBlockNet])
+@pytest.mark.parametrize("net_cls", [DigitsCNN, ResBlockNet, HeadsNet])
 def test_fast_fake_quant_and_relu_fusion_are_bit_identical(net_cls):
     torch.manual_seed(0)
     x, y = _data()
@@ -344,3 +365,57 @@ def test_fake_quant_mask_from_bounds_is_atens_on_every_rounding_edge(scale, boun
     # equal values; the float path rounds -0.3 to -0.0 where aten's integer path gives +0.0 (as before this mask)
     assert torch.equal(out.detach(), ref.detach())
     assert torch.equal(x.grad, ref_x.grad)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_fast_fake_quant_gradient_is_atens_bit_for_bit_on_strided_inputs_and_gradients(relu):
+    """The fast fake-quant's backward (numpy's product with the unpacked mask, reused comparison buffers) against
+    aten's cachemask kernel: transposed inputs, contiguous and transposed random gradients (with signed zeros; without
+    the ReLU compared as bits), and a smaller call between two larger ones, so the comparison buffers are reused."""
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([0.05])
+    for shape in ((64, 8, 4, 64), (3, 5, 7, 11), (64, 8, 4, 64)):
+        base = torch.randn(shape, generator=g) * 4
+        x = base.transpose(1, 2).requires_grad_()  # a non-contiguous leaf
+        ref_x = base.clone().transpose(1, 2).requires_grad_()
+        out = (fast_fq._ReluFakeQuant if relu else fast_fq._FakeQuant).apply(x, scale, -128, 127)
+        ref = torch.fake_quantize_per_tensor_affine(torch.relu(ref_x) if relu else ref_x, scale,
+                                                    torch.tensor([0], dtype=torch.int32), -128, 127)
+        assert torch.equal(out.detach(), ref.detach())
+        for grad in (torch.randn(out.shape, generator=g), torch.randn(out.transpose(1, 2).shape, generator=g).transpose(1, 2)):
+            grad[..., 0] = -0.0
+            (got,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+            (want,) = torch.autograd.grad(ref, ref_x, grad, retain_graph=True)
+            assert torch.equal(got, want)
+            if not relu:  # as bits too; ReLU's own backward writes +0.0 where the product with the mask gives -0.0
+                assert torch.equal(got.contiguous().view(torch.int32), want.contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize("qscheme", [torch.per_channel_symmetric, torch.per_channel_affine])
+def test_per_channel_fast_fake_quant_is_the_fused_ops_with_one_or_many_zero_points(qscheme):
+    """Per-channel weights through the fast path (integer clamp bounds when every channel has the same zero point, as
+    symmetric weights do; per-channel bound tensors otherwise) against the fused op: values, gradients and state over
+    observing steps, then with the observer off."""
+    from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
+    from torch.ao.quantization.observer import MovingAveragePerChannelMinMaxObserver
+
+    def make() -> nn.Module:
+        return FusedMovingAvgObsFakeQuantize(observer=MovingAveragePerChannelMinMaxObserver, quant_min=-128,
+                                             quant_max=127, dtype=torch.qint8, qscheme=qscheme, ch_axis=0)
+
+    ref, fast = make(), make()
+    fast_fq._patch(fast, "forward", fast_fq.fast_fake_quant_forward)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        if step == 3:
+            ref.disable_observer(), fast.disable_observer()
+        w = torch.randn(256, 128, generator=g) * 0.05 + torch.linspace(-0.02, 0.03, 256)[:, None]
+        grad = torch.randn(256, 128, generator=g)
+        a, b = w.clone().requires_grad_(), w.clone().requires_grad_()
+        out_ref, out_fast = ref(a), fast(b)
+        out_ref.backward(grad), out_fast.backward(grad)
+        assert torch.equal(out_ref, out_fast) and torch.equal(a.grad, b.grad), step
+        distinct = len(set(fast.zero_point.tolist()))
+        assert distinct == 1 if qscheme == torch.per_channel_symmetric else distinct > 1
+        for key, value in ref.state_dict().items():
+            assert torch.equal(value, fast.state_dict()[key]), (step, key)

@@ -425,8 +425,24 @@ def observe_min_max(fq: nn.Module, X: torch.Tensor, relu: bool = False) -> None:
         X: the tensor to observe (detached; the caller holds ``no_grad``).
         relu: observe ``relu(X)`` instead.
     """
-    lohi = torch.stack(torch.aminmax(X))
+    lohi = torch.stack(torch.aminmax(dense_order(X)))
     fused_fake_quant(fq, torch.relu(lohi) if relu else lohi, _ON, _OFF)
+
+
+def dense_order(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself, or a permuted view of it that is contiguous where one exists: the same elements in memory order.
+
+    ``aminmax`` of a non-contiguous tensor (attention's transposed heads, a channels-last activation) first copies it
+    to a contiguous one; a reduction over all elements does not depend on their order, so it can read the permuted
+    view in place instead.
+
+    Args:
+        x: any tensor.
+    """
+    if x.is_contiguous():
+        return x
+    permuted = x.permute(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.size(d))))
+    return permuted if permuted.is_contiguous() else x
 
 
 def lean_float_phase(module: nn.Module) -> int:
