@@ -419,3 +419,40 @@ def test_per_channel_fast_fake_quant_is_the_fused_ops_with_one_or_many_zero_poin
         assert distinct == 1 if qscheme == torch.per_channel_symmetric else distinct > 1
         for key, value in ref.state_dict().items():
             assert torch.equal(value, fast.state_dict()[key]), (step, key)
+
+
+def test_a_frozen_fake_quant_called_again_on_a_view_of_its_output_returns_it_and_trains_as_torch_ao(monkeypatch):
+    """torch.ao gives reshape / transpose outputs the same fake-quant module as their inputs (HeadsNet: q, k and v
+    each pass one module three times, k's transpose for the scores a fourth, the context twice). With observers off, a repeated call on
+    a view of the module's own output returns it, which is what the fused op computes from it, bit for bit: outputs,
+    gradients and state equal torch.ao's over frozen steps. A copy (reshape of a transposed tensor), a changed
+    output (in place), or an observing module takes the full path."""
+    torch.manual_seed(0)
+    x, y = _data()
+    net = HeadsNet()
+    ref = _prepare(copy.deepcopy(net), x, fast_qat=False)
+    fast = _prepare(copy.deepcopy(net), x)
+    _train(ref, x, y, 2), _train(fast, x, y, 2)
+    returned = []
+    own_output = fast_fq._own_output
+    monkeypatch.setattr(fast_fq, "_own_output", lambda fq, X: returned.append(own_output(fq, X)) or returned[-1])
+    phases = [(0, Phase(True, False, False))]
+    _train(ref, x, y, 4, phases), _train(fast, x, y, 4, phases)
+    # a step: q, v: reshape, transpose; k: reshape, transpose, transpose for the scores; the context's transpose
+    # (its reshape copies the transposed tensor, so that call fake-quantizes)
+    assert sum(returned) == 4 * 8
+    for key, value in ref.state_dict().items():
+        assert torch.equal(value, fast.state_dict()[key]), key
+    with torch.no_grad():
+        assert torch.equal(ref.eval()(x), fast.eval()(x))
+
+    module = fast.get_submodule("activation_post_process_2")  # q's
+    module.train()
+    out = module(torch.randn(64, 8, 256))
+    assert module(out.reshape(64, 8, 4, 64).transpose(1, 2)).data_ptr() == out.data_ptr()
+    assert module(out.transpose(1, 2).reshape(64, 2048)).data_ptr() != out.data_ptr()  # a copy: fake-quantized
+    out.mul_(1.5)  # changed in place: fake-quantized again
+    assert module(out.reshape(64, 2048)).data_ptr() != out.data_ptr()
+    module.enable_observer()
+    out = module(torch.randn(64, 8, 256))
+    assert module(out.reshape(64, 2048)).data_ptr() != out.data_ptr()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -305,9 +306,50 @@ def fast_fake_quant_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor
     per-channel loop) and the fake-quant itself are computed here. When the module was fused with the
     ReLU before it (:func:`fuse_relu_fake_quant`), it applies that ReLU first, in the same function.
 
+    With the observer off and fake-quant on, an input that is this module's own last output or a view of
+    it is returned as it is (:func:`_own_output`).
+
     Args:
         X: the input; small, non-CPU or non-float32 inputs take torch.ao's own forward.
     """
+    buffers = self._buffers
+    if buffers["observer_enabled"].item() == 1 or buffers["fake_quant_enabled"].item() != 1:
+        return _fast_fake_quant(self, X)
+    if _own_output(self, X):
+        return X
+    out = _fast_fake_quant(self, X)
+    _LAST_OUTPUT[self] = (weakref.ref(out), out._version, _state_key(self))
+    return out
+
+
+# The last output of each fake-quant with its observer off: torch.ao gives ops whose output shares its input's
+# quantization (reshape, transpose, flatten, max pool) the *same* fake-quant module at their output as at their
+# input, so a prepared transformer fake-quantizes each attention head's q, k and v three times (40 of its 101
+# fake-quant calls). Kept outside the modules, so that pickling and deepcopy never see a weak reference.
+_LAST_OUTPUT: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, int, tuple[int, ...]]]" = weakref.WeakKeyDictionary()
+
+
+def _own_output(fq: nn.Module, X: torch.Tensor) -> bool:
+    """Whether ``X`` is ``fq``'s last output, or a view of it, unchanged since: fake-quantizing it again with the same
+    scale and zero point would return it bit for bit (see below), with a gradient mask of ones.
+
+    Every element of such an ``X`` is ``c * s`` in float32 for an integer code ``c`` in the clamp range. Then
+    ``(c * s) * (1 / s)`` is ``c`` times at most three float32 roundings (relative 2**-24 each), off ``c`` by under
+    ``3 * 2**-24 * |c|`` (2.3e-5 for 8-bit codes; under 0.5 for any code below 2**21), so it rounds to ``c``, stays in
+    range and gives ``c * s`` again; NaN stays NaN. Only with the observer off: observing moves the scale between the
+    calls, and the repeated call then requantizes onto the new grid, as torch.ao's fused op does. The running min/max
+    and scale must also be the ones the output was made with (a checkpoint load or a DDP broadcast in between).
+    """
+    last = _LAST_OUTPUT.get(fq)
+    if last is None:
+        return False
+    out = last[0]()
+    return (out is not None and (X is out or X._base is out) and X._version == last[1]
+            and _state_key(fq) == last[2])
+
+
+def _fast_fake_quant(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> torch.Tensor:
+    """:func:`fast_fake_quant_forward` for any input."""
     relu = self.__dict__.get("_qlightning_relu", False)
     n = X.numel()
     if (n < MIN_ELEMENTS or X.device.type != "cpu" or X.dtype != torch.float32
