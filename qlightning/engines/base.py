@@ -413,7 +413,7 @@ def float_phase_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
     return X
 
 
-def observe_min_max(fq: nn.Module, X: torch.Tensor, relu: bool = False) -> None:
+def observe_min_max(fq: nn.Module, X: torch.Tensor, relu: bool = False) -> torch.Tensor:
     """Move a per-tensor fused fake-quant's running min/max by ``X`` (``relu(X)``) as the op does, in one pass.
 
     The op is fed ``(min, max)`` of ``X`` as a 2-element tensor: its aminmax of that is ``X``'s, so the moving
@@ -424,9 +424,15 @@ def observe_min_max(fq: nn.Module, X: torch.Tensor, relu: bool = False) -> None:
         fq: a fused moving-average fake-quant (:func:`is_fused_fake_quant`), per tensor.
         X: the tensor to observe (detached; the caller holds ``no_grad``).
         relu: observe ``relu(X)`` instead.
+
+    Returns:
+        The ``(min, max)`` pair observed.
     """
     lohi = torch.stack(torch.aminmax(dense_order(X)))
-    fused_fake_quant(fq, torch.relu(lohi) if relu else lohi, _ON, _OFF)
+    if relu:
+        lohi = torch.relu(lohi)
+    fused_fake_quant(fq, lohi, _ON, _OFF)
+    return lohi
 
 
 def dense_order(x: torch.Tensor) -> torch.Tensor:

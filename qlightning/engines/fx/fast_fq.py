@@ -39,12 +39,12 @@ import functools
 import threading
 import types
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch import nn
 
-from qlightning.engines.base import centres_on_zero, observe_min_max, straddle_zero_
+from qlightning.engines.base import centres_on_zero, dense_order, observe_min_max, straddle_zero_
 from qlightning.engines.fx.ao import quiet_torch_ao
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 
@@ -232,11 +232,11 @@ def _fused(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor, observe: torch.
     )
 
 
-def _observe(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor, relu: bool = False) -> None:
-    """Move the running min/max by ``x`` (``relu(x)``) exactly as the fused op does, in fewer passes."""
+def _observe(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor, relu: bool = False) -> Optional[torch.Tensor]:
+    """Move the running min/max by ``x`` (``relu(x)``) exactly as the fused op does, in fewer passes; per tensor,
+    returns the (min, max) pair observed."""
     if not self.is_per_channel:
-        observe_min_max(self, x, relu)  # the op's own moving average, without its full-size copy and mask
-        return
+        return observe_min_max(self, x, relu)  # the op's own moving average, without its full-size copy and mask
     if relu:
         x = torch.relu(x)
     obs = self._modules["activation_post_process"]
@@ -306,50 +306,140 @@ def fast_fake_quant_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor
     per-channel loop) and the fake-quant itself are computed here. When the module was fused with the
     ReLU before it (:func:`fuse_relu_fake_quant`), it applies that ReLU first, in the same function.
 
-    With the observer off and fake-quant on, an input that is this module's own last output or a view of
-    it is returned as it is (:func:`_own_output`).
+    An input that is this module's own last output, or a view of it, takes :func:`_repeat_on_own_output`.
 
     Args:
         X: the input; small, non-CPU or non-float32 inputs take torch.ao's own forward.
     """
-    buffers = self._buffers
-    if buffers["observer_enabled"].item() == 1 or buffers["fake_quant_enabled"].item() != 1:
-        return _fast_fake_quant(self, X)
-    if _own_output(self, X):
-        return X
-    out = _fast_fake_quant(self, X)
-    _LAST_OUTPUT[self] = (weakref.ref(out), out._version, _state_key(self))
+    last = _LAST_OUTPUT.get(self)
+    if last is not None and _own_output(self, X, last):
+        out = _repeat_on_own_output(self, X, last)
+        if out is not None:
+            return out
+    return _fast_fake_quant(self, X)
+
+
+class _Last(NamedTuple):
+    """What a fake-quant's last call gave and saw (:data:`_LAST_OUTPUT`)."""
+
+    base: Any  # a weak reference to the output, or to its base when it is a view (the view may go, its base stays)
+    span: tuple[int, int]  # the output's storage offset and size, a dense span of that base
+    version: int  # its version counter then (an in-place change moves it)
+    state: tuple[int, ...]  # the module's state key (:func:`_state_key`) after the call
+    observed: Optional[torch.Tensor]  # the (min, max) pair of the output's values, when the call observed
+    qparams: Optional[tuple[torch.Tensor, int, int]]  # (scale, lo, hi) the output was fake-quantized with, per tensor
+    phase: tuple[bool, bool]  # (observing, fake-quantizing) then: a repeat in another phase takes the full path
+
+
+# torch.ao gives ops whose output shares its input's quantization (reshape, transpose, flatten, max pool) the *same*
+# fake-quant module at their output as at their input, so a prepared transformer fake-quantizes each attention
+# head's q, k and v three times (40 of the benchmark Transformer's 101 fake-quant calls a step). Each module's last
+# call is kept here, outside the modules, so that pickling and deepcopy never see a weak reference.
+_LAST_OUTPUT: "weakref.WeakKeyDictionary[nn.Module, _Last]" = weakref.WeakKeyDictionary()
+
+
+def _remember(fq: nn.Module, out: torch.Tensor, observed: Optional[torch.Tensor] = None,
+              qparams: Optional[tuple[Any, Any, Any]] = None) -> None:
+    if out.is_inference() or not dense_order(out).is_contiguous():
+        # inference tensors keep no version counter; a tensor that is not one span of memory shares its base with
+        # views holding other values
+        _LAST_OUTPUT.pop(fq, None)
+        return
+    per_tensor = qparams is not None and isinstance(qparams[1], int)
+    base = out if out._base is None else out._base
+    _LAST_OUTPUT[fq] = _Last(weakref.ref(base), (out.storage_offset(), out.numel()), out._version, _state_key(fq),
+                             observed, qparams if per_tensor else None, _phase(fq))
+
+
+def _phase(fq: nn.Module) -> tuple[bool, bool]:
+    buffers = fq._buffers
+    return buffers["observer_enabled"].item() == 1, buffers["fake_quant_enabled"].item() == 1
+
+
+def _own_output(fq: nn.Module, X: torch.Tensor, last: _Last) -> bool:
+    """Whether ``X`` holds the elements of ``fq``'s last output, unchanged since, with ``fq``'s state as it left it (a
+    checkpoint load or a DDP broadcast in between changes it)."""
+    base = last.base()
+    if base is None or X.is_inference() or X._version != last.version or _state_key(fq) != last.state:
+        return False
+    # the output itself, or a view holding exactly its elements, in any order (a reshape, transpose or permute; not
+    # a slice): a dense span of the same base, at the same place
+    return ((X is base or X._base is base) and (X.storage_offset(), X.numel()) == last.span
+            and dense_order(X).is_contiguous())
+
+
+def _repeat_on_own_output(fq: nn.Module, X: torch.Tensor, last: _Last) -> Optional[torch.Tensor]:
+    """The fused op's result on a view ``X`` of ``fq``'s own last output, from what that call saw; ``None``: the full path.
+
+    Every element of ``X`` is ``c * s`` in float32 for an integer code ``c`` in the clamp range. ``(c * s) * (1 / s)``
+    is ``c`` times at most three float32 roundings (relative 2**-24 each), off ``c`` by under ``3 * 2**-24 * |c|``
+    (under 0.5 for any code below 2**21), so it rounds back to ``c``. Hence, by phase:
+
+    * observer off, fake-quant on: fake-quantizing ``X`` again gives ``X``, with a gradient mask of ones;
+    * observing and fake-quantizing: ``X``'s min and max are the last call's fake-quantized (min, max) (fake-quant
+      is monotone), observed as a pair as :func:`observe_min_max` does. The new scale and zero point then map every
+      code of the last grid to itself (checked on all of them, :func:`_same_codes`), or the full path runs: ``X`` is
+      ``round(X / s_last) * s_new`` with the gradient passed through;
+    * observing in the float warm-up: ``X``'s values are the last call's, so is their (min, max); ``X`` itself.
+
+    A NaN element passes its gradient here where the full path's mask would zero it; the loss is NaN either way.
+    """
+    observing, quantizing = _phase(fq)
+    if (observing, quantizing) != last.phase:  # the flags changed since (a phase switch between two calls)
+        return None
+    if not observing:
+        return X if quantizing else None
+    if last.observed is None or fq.__dict__.get("_qlightning_relu", False):
+        return None
+    if quantizing and last.qparams is None:
+        return None
+    with torch.no_grad():
+        seen = last.observed
+        if quantizing:
+            scale, lo, hi = last.qparams
+            seen = torch.mul(seen, torch.reciprocal(scale)).round_().clamp_(lo, hi).mul_(scale)
+        _fused(fq, seen, _ON, _OFF)  # observed as a pair, as observe_min_max does
+        if centres_on_zero(fq):
+            straddle_zero_(fq._modules["activation_post_process"])
+        fq.__dict__.pop("_qlightning_cache", None)
+        if not quantizing:
+            _LAST_OUTPUT[fq] = last._replace(state=_state_key(fq))
+            return X
+        qparams = _update_qparams(fq, X.dim())
+    if _same_codes(last.qparams, qparams):
+        out = _Recode.apply(X, last.qparams[0], qparams[0])
+    else:
+        out = _FakeQuant.apply(X, *qparams)
+    _remember(fq, out, seen, qparams)
     return out
 
 
-# The last output of each fake-quant with its observer off: torch.ao gives ops whose output shares its input's
-# quantization (reshape, transpose, flatten, max pool) the *same* fake-quant module at their output as at their
-# input, so a prepared transformer fake-quantizes each attention head's q, k and v three times (40 of its 101
-# fake-quant calls). Kept outside the modules, so that pickling and deepcopy never see a weak reference.
-_LAST_OUTPUT: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, int, tuple[int, ...]]]" = weakref.WeakKeyDictionary()
-
-
-def _own_output(fq: nn.Module, X: torch.Tensor) -> bool:
-    """Whether ``X`` is ``fq``'s last output, or a view of it, unchanged since: fake-quantizing it again with the same
-    scale and zero point would return it bit for bit (see below), with a gradient mask of ones.
-
-    Every element of such an ``X`` is ``c * s`` in float32 for an integer code ``c`` in the clamp range. Then
-    ``(c * s) * (1 / s)`` is ``c`` times at most three float32 roundings (relative 2**-24 each), off ``c`` by under
-    ``3 * 2**-24 * |c|`` (2.3e-5 for 8-bit codes; under 0.5 for any code below 2**21), so it rounds to ``c``, stays in
-    range and gives ``c * s`` again; NaN stays NaN. Only with the observer off: observing moves the scale between the
-    calls, and the repeated call then requantizes onto the new grid, as torch.ao's fused op does. The running min/max
-    and scale must also be the ones the output was made with (a checkpoint load or a DDP broadcast in between).
-    """
-    last = _LAST_OUTPUT.get(fq)
-    if last is None:
+def _same_codes(before: tuple[Any, Any, Any], after: tuple[Any, Any, Any]) -> bool:
+    """Whether fake-quantizing with ``after``'s (scale, lo, hi) maps each value ``c * scale`` of ``before``'s grid back
+    to its code ``c``: the fake-quant's own float32 arithmetic on all of ``before``'s codes."""
+    (scale, lo, hi), (new_scale, new_lo, new_hi) = before, after
+    if not isinstance(new_lo, int):
         return False
-    out = last[0]()
-    return (out is not None and (X is out or X._base is out) and X._version == last[1]
-            and _state_key(fq) == last[2])
+    codes = torch.arange(lo, hi + 1, dtype=torch.float32)
+    again = torch.mul(codes * scale, torch.reciprocal(new_scale)).round_().clamp_(new_lo, new_hi)
+    return torch.equal(again, codes)
+
+
+class _Recode(torch.autograd.Function):
+    """``round(x / s_before) * s_after`` (``x / s`` as the fake-quant computes it) with the gradient passed through:
+    a fake-quant of values on ``s_before``'s grid whose codes :func:`_same_codes` found unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.mul(x, torch.reciprocal(before)).round_().mul_(after)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None, None
 
 
 def _fast_fake_quant(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> torch.Tensor:
-    """:func:`fast_fake_quant_forward` for any input."""
+    """:func:`fast_fake_quant_forward` for an input it fake-quantizes afresh; remembers the call (:func:`_remember`)."""
     relu = self.__dict__.get("_qlightning_relu", False)
     n = X.numel()
     if (n < MIN_ELEMENTS or X.device.type != "cpu" or X.dtype != torch.float32
@@ -357,25 +447,38 @@ def _fast_fake_quant(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> to
                 and self._buffers["fake_quant_enabled"].item() == 1)):
         # small tensors: the fused op's single dispatch beats several vectorized ones
         self.__dict__.pop("_qlightning_cache", None)  # the op writes scale / zp without a version bump
-        return type(self).forward(self, torch.relu(X) if relu else X)
-    qparams = _observe_then_qparams(self, X, relu)
+        out = type(self).forward(self, torch.relu(X) if relu else X)
+        _remember(self, out)
+        return out
+    observed: list = []
+    qparams = _observe_then_qparams(self, X, relu, observed)
+    seen = observed[0] if observed else None
     if qparams is FAKE_QUANT_OFF:
-        return torch.relu(X) if relu else X  # the fused op returns a copy whose gradient is grad * ones
+        out = torch.relu(X) if relu else X  # the fused op returns a copy whose gradient is grad * ones
+        _remember(self, out, seen)
+        return out
     if qparams is UNOBSERVED:
+        _LAST_OUTPUT.pop(self, None)
         return type(self).forward(self, torch.relu(X) if relu else X)
-    return (_ReluFakeQuant if relu else _FakeQuant).apply(X, *qparams)
+    out = (_ReluFakeQuant if relu else _FakeQuant).apply(X, *qparams)
+    _remember(self, out, seen, qparams)
+    return out
 
 
 FAKE_QUANT_OFF, UNOBSERVED = object(), object()
 
 
-def _observe_then_qparams(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor, relu: bool = False) -> Any:
+def _observe_then_qparams(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor, relu: bool = False,
+                          observed: Optional[list] = None) -> Any:
     """Observe ``X`` (``relu(X)``) when the observer is on, as the fused op would; then what to fake-quantize
-    with: ``(scale, lo, hi)``, ``FAKE_QUANT_OFF``, or ``UNOBSERVED`` (no statistics yet: torch.ao's own path)."""
+    with: ``(scale, lo, hi)``, ``FAKE_QUANT_OFF``, or ``UNOBSERVED`` (no statistics yet: torch.ao's own path).
+    A per-tensor observation's (min, max) pair is appended to ``observed``."""
     buffers = self._buffers
     if buffers["observer_enabled"].item() == 1:
         with torch.no_grad():
-            _observe(self, X.detach(), relu)
+            pair = _observe(self, X.detach(), relu)
+            if observed is not None and pair is not None:
+                observed.append(pair)
             if centres_on_zero(self):
                 straddle_zero_(self._modules["activation_post_process"])  # as ZeroCenteredWeightRange.forward
         self.__dict__.pop("_qlightning_cache", None)  # the op writes min/max in place without a version bump
