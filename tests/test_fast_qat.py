@@ -477,3 +477,51 @@ def test_a_fake_quant_called_again_on_a_view_of_its_output_trains_as_torch_ao_wi
     assert module(t) is t
     module.enable_fake_quant(), module.disable_observer()  # ... which the next phase must fake-quantize
     assert not torch.equal(module(t.reshape(64, 2048)), t.reshape(64, 2048))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), bits=st.sampled_from([4, 8]), averaging=st.sampled_from([1.0, 0.5, 0.01]),
+       spread=st.floats(0.1, 10.0))
+def test_a_repeated_observing_call_equals_the_fused_op_when_the_grid_moves_its_codes(seed, bits, averaging, spread):
+    """Observing, a repeated call on a view of the module's output moves the running range, and with few levels or a
+    large averaging constant the new grid moves codes (the top code rounds past the range). Such calls must take the
+    full pass; the rest map codes to themselves. Against torch.ao's module, unpatched: both outputs, the input's
+    gradient and the state, bit for bit."""
+    from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
+    from torch.ao.quantization.observer import MovingAverageMinMaxObserver
+
+    def make() -> nn.Module:
+        return FusedMovingAvgObsFakeQuantize(observer=MovingAverageMinMaxObserver, averaging_constant=averaging,
+                                             quant_min=0, quant_max=2 ** bits - 1, dtype=torch.quint8)
+
+    ref, fast = make(), make()
+    fast_fq._patch(fast, "forward", fast_fq.fast_fake_quant_forward)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        x = (torch.randn(16, 64, 96, generator=g) * spread + spread * (torch.rand(1, generator=g) - 0.3)).requires_grad_()
+        grad = torch.randn(16, 96, 64, generator=g)
+        outs = []
+        for module in (ref, fast):
+            first = module(x)
+            second = module(first.transpose(1, 2))
+            (x_grad,) = torch.autograd.grad((second * grad).sum(), x)
+            outs.append((first.detach(), second.detach(), x_grad))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        for key, value in ref.state_dict().items():
+            assert torch.equal(value, fast.state_dict()[key]), key
+
+
+def test_a_remembered_call_keeps_the_grid_its_output_was_made_with():
+    """The repeated call compares the last grid with the new one (``_same_codes``) and recovers codes with the last
+    scale; the module rewrites its scale buffer in place when it derives the new one, so the remembered scale must
+    be a copy (with the buffer itself, the check compared the new grid with itself)."""
+    from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
+
+    fq = FusedMovingAvgObsFakeQuantize()
+    fast_fq._patch(fq, "forward", fast_fq.fast_fake_quant_forward)
+    out = fq(torch.randn(16, 64, 96) * 2)
+    scale = fq.scale.item()
+    fq.scale.fill_(scale * 2)
+    remembered = fast_fq._LAST_OUTPUT[fq]
+    assert remembered.base() is out and remembered.qparams[0].item() == scale

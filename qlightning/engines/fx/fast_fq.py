@@ -345,10 +345,13 @@ def _remember(fq: nn.Module, out: torch.Tensor, observed: Optional[torch.Tensor]
         # views holding other values
         _LAST_OUTPUT.pop(fq, None)
         return
-    per_tensor = qparams is not None and isinstance(qparams[1], int)
+    if qparams is not None and isinstance(qparams[1], int):
+        qparams = (qparams[0].clone(), *qparams[1:])  # the module's own scale buffer, which the next call rewrites
+    else:
+        qparams = None
     base = out if out._base is None else out._base
     _LAST_OUTPUT[fq] = _Last(weakref.ref(base), (out.storage_offset(), out.numel()), out._version, _state_key(fq),
-                             observed, qparams if per_tensor else None, _phase(fq))
+                             observed, qparams, _phase(fq))
 
 
 def _phase(fq: nn.Module) -> tuple[bool, bool]:
