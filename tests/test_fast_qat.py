@@ -461,6 +461,8 @@ def test_a_fake_quant_called_again_on_a_view_of_its_output_trains_as_torch_ao_wi
         assert torch.equal(ref.eval()(x), fast.eval()(x))
 
     module = fast.get_submodule("activation_post_process_2")  # q's
+    assert module.__dict__.get("_qlightning_repeated") is True
+    assert "_qlightning_repeated" not in fast.get_submodule("activation_post_process_1").__dict__  # embed's: one site
     module.train()
     full.clear()
     out = module(torch.randn(64, 8, 256))
@@ -496,6 +498,7 @@ def test_a_repeated_observing_call_equals_the_fused_op_when_the_grid_moves_its_c
 
     ref, fast = make(), make()
     fast_fq._patch(fast, "forward", fast_fq.fast_fake_quant_forward)
+    fast.__dict__["_qlightning_repeated"] = True  # as mark_repeated_fake_quants flags a module called at two sites
     g = torch.Generator().manual_seed(seed)
     for _ in range(3):
         x = (torch.randn(16, 64, 96, generator=g) * spread + spread * (torch.rand(1, generator=g) - 0.3)).requires_grad_()
@@ -520,6 +523,7 @@ def test_a_remembered_call_keeps_the_grid_its_output_was_made_with():
 
     fq = FusedMovingAvgObsFakeQuantize()
     fast_fq._patch(fq, "forward", fast_fq.fast_fake_quant_forward)
+    fq.__dict__["_qlightning_repeated"] = True
     out = fq(torch.randn(16, 64, 96) * 2)
     scale = fq.scale.item()
     fq.scale.fill_(scale * 2)

@@ -306,17 +306,26 @@ def fast_fake_quant_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor
     per-channel loop) and the fake-quant itself are computed here. When the module was fused with the
     ReLU before it (:func:`fuse_relu_fake_quant`), it applies that ReLU first, in the same function.
 
-    An input that is this module's own last output, or a view of it, takes :func:`_repeat_on_own_output`.
+    In a module that the prepared graph calls at several sites (:func:`mark_repeated_fake_quants`), an input that is
+    its own last output, or a view of it, takes :func:`_repeat_on_own_output`.
 
     Args:
         X: the input; small, non-CPU or non-float32 inputs take torch.ao's own forward.
     """
+    if not self.__dict__.get("_qlightning_repeated", False):
+        return _fast_fake_quant(self, X)
     last = _LAST_OUTPUT.get(self)
     if last is not None and _own_output(self, X, last):
         out = _repeat_on_own_output(self, X, last)
         if out is not None:
             return out
-    return _fast_fake_quant(self, X)
+    out = _fast_fake_quant(self, X)
+    call = _LAST_CALL.pop(self, (None, None))
+    if call is UNOBSERVED:
+        _LAST_OUTPUT.pop(self, None)
+    else:
+        _remember(self, out, *call)
+    return out
 
 
 class _Last(NamedTuple):
@@ -336,6 +345,8 @@ class _Last(NamedTuple):
 # head's q, k and v three times (40 of the benchmark Transformer's 101 fake-quant calls a step). Each module's last
 # call is kept here, outside the modules, so that pickling and deepcopy never see a weak reference.
 _LAST_OUTPUT: "weakref.WeakKeyDictionary[nn.Module, _Last]" = weakref.WeakKeyDictionary()
+# What the full pass of a repeated module's current call observed and fake-quantized with, for :func:`_remember`.
+_LAST_CALL: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
 def _remember(fq: nn.Module, out: torch.Tensor, observed: Optional[torch.Tensor] = None,
@@ -450,22 +461,21 @@ def _fast_fake_quant(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> to
                 and self._buffers["fake_quant_enabled"].item() == 1)):
         # small tensors: the fused op's single dispatch beats several vectorized ones
         self.__dict__.pop("_qlightning_cache", None)  # the op writes scale / zp without a version bump
-        out = type(self).forward(self, torch.relu(X) if relu else X)
-        _remember(self, out)
-        return out
+        return type(self).forward(self, torch.relu(X) if relu else X)
     observed: list = []
     qparams = _observe_then_qparams(self, X, relu, observed)
     seen = observed[0] if observed else None
     if qparams is FAKE_QUANT_OFF:
-        out = torch.relu(X) if relu else X  # the fused op returns a copy whose gradient is grad * ones
-        _remember(self, out, seen)
-        return out
-    if qparams is UNOBSERVED:
-        _LAST_OUTPUT.pop(self, None)
+        if self.__dict__.get("_qlightning_repeated", False):
+            _LAST_CALL[self] = (seen, None)
+        return torch.relu(X) if relu else X  # the fused op returns a copy whose gradient is grad * ones
+    if qparams is UNOBSERVED:  # (not remembered: torch.ao's op derives qparams from no statistics)
+        if self.__dict__.get("_qlightning_repeated", False):
+            _LAST_CALL[self] = UNOBSERVED
         return type(self).forward(self, torch.relu(X) if relu else X)
-    out = (_ReluFakeQuant if relu else _FakeQuant).apply(X, *qparams)
-    _remember(self, out, seen, qparams)
-    return out
+    if self.__dict__.get("_qlightning_repeated", False):
+        _LAST_CALL[self] = (seen, qparams)
+    return (_ReluFakeQuant if relu else _FakeQuant).apply(X, *qparams)
 
 
 FAKE_QUANT_OFF, UNOBSERVED = object(), object()
@@ -708,6 +718,35 @@ def _patch(m: nn.Module, name: str, fn: Any) -> None:
     m.__dict__[name] = types.MethodType(fn, m)
 
 
+def _call_sites(gm: nn.Module) -> dict[int, int]:
+    """How many ``call_module`` nodes of ``gm``'s graph call each module *object* (torch.ao registers a shared
+    fake-quant under several names)."""
+    calls: dict[int, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            key = id(gm.get_submodule(node.target))
+            calls[key] = calls.get(key, 0) + 1
+    return calls
+
+
+def mark_repeated_fake_quants(gm: nn.Module) -> int:
+    """Flag the fast fake-quants that ``gm``'s graph calls at more than one site (``_qlightning_repeated``): only
+    they remember their last call for :func:`_repeat_on_own_output`. Returns how many.
+
+    Args:
+        gm: the prepared GraphModule (a module without a graph flags nothing).
+    """
+    if getattr(gm, "graph", None) is None:
+        return 0
+    calls = _call_sites(gm)
+    count = 0
+    for m in gm.modules():
+        if is_fast(m) and calls.get(id(m), 0) > 1:
+            m.__dict__["_qlightning_repeated"] = True
+            count += 1
+    return count
+
+
 def fuse_relu_fake_quant(gm: nn.Module, applies_relu: Callable[[nn.Module], bool] = is_fast) -> int:
     """Let each fake-quant that only follows a ``ConvBnReLU*d`` or ``nn.ReLU`` apply that ReLU itself.
 
@@ -723,11 +762,7 @@ def fuse_relu_fake_quant(gm: nn.Module, applies_relu: Callable[[nn.Module], bool
     graph = getattr(gm, "graph", None)
     if graph is None:
         return 0
-    calls: dict[int, int] = {}  # call sites per module *object* (torch.ao registers shared observers under several names)
-    for node in graph.nodes:
-        if node.op == "call_module":
-            key = id(gm.get_submodule(node.target))
-            calls[key] = calls.get(key, 0) + 1
+    calls = _call_sites(gm)
     fused = 0
     for node in graph.nodes:
         if node.op != "call_module" or len(node.users) != 1:
@@ -793,6 +828,8 @@ def swap_fake_quant(module: nn.Module, fake_quant: bool = True, conv_bn: bool = 
             count += 1
     if relu if relu is not None else conv_bn:
         fuse_relu_fake_quant(module)
+    if fake_quant:
+        mark_repeated_fake_quants(module)
     return count
 
 
@@ -807,10 +844,10 @@ def restore_fake_quant(module: nn.Module) -> int:
     """
     count = 0
     for m in module.modules():
-        for name in ("forward", "_forward_approximate", "_qlightning_cache", "_qlightning_relu"):
+        for name in ("forward", "_forward_approximate", "_qlightning_cache", "_qlightning_relu", "_qlightning_repeated"):
             if name in m.__dict__:
                 del m.__dict__[name]
-                count += name != "_qlightning_cache"
+                count += name not in ("_qlightning_cache", "_qlightning_repeated")
     return count
 
 
