@@ -8,6 +8,7 @@ rounding; nothing may change what convert_fx, deepcopy or state_dict see.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -368,13 +369,16 @@ def test_fake_quant_mask_from_bounds_is_atens_on_every_rounding_edge(scale, boun
 
 
 @pytest.mark.parametrize("relu", [False, True])
-def test_fast_fake_quant_gradient_is_atens_bit_for_bit_on_strided_inputs_and_gradients(relu):
+def test_fast_fake_quant_gradient_is_atens_bit_for_bit_on_strided_inputs_and_gradients(relu, monkeypatch):
     """The fast fake-quant's backward (numpy's product with the unpacked mask, reused comparison buffers) against
     aten's cachemask kernel: transposed inputs, contiguous and transposed random gradients (with signed zeros; without
-    the ReLU compared as bits), and a smaller call between two larger ones, so the comparison buffers are reused."""
+    the ReLU compared as bits); a small input after a larger one compares in the reused buffers, and the largest,
+    above their cap, in fresh arrays."""
     g = torch.Generator().manual_seed(0)
     scale = torch.tensor([0.05])
-    for shape in ((64, 8, 4, 64), (3, 5, 7, 11), (64, 8, 4, 64)):
+    monkeypatch.setattr(fast_fq, "SCRATCH_ELEMENTS", 100_000)  # the largest compares into fresh arrays
+    monkeypatch.setattr(fast_fq, "_scratch", threading.local())
+    for shape in ((64, 8, 4, 64), (3, 5, 7, 11), (2, 5, 7, 11), (64, 8, 4, 64)):
         base = torch.randn(shape, generator=g) * 4
         x = base.transpose(1, 2).requires_grad_()  # a non-contiguous leaf
         ref_x = base.clone().transpose(1, 2).requires_grad_()

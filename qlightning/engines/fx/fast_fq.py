@@ -151,18 +151,23 @@ def _packed_mask(keep: Any) -> torch.Tensor:
 
 
 _scratch = threading.local()
+# The reused comparison buffers stop growing here (two bytes an element: 16 MiB a thread); a larger input compares into
+# fresh arrays, as before.
+SCRATCH_ELEMENTS = 1 << 23
 
 
 def _packed_in_range(xn: Any, lo: Any, hi: Any, strict_lo: bool = False) -> torch.Tensor:
     """``lo <= xn <= hi`` (``lo < xn`` with ``strict_lo``) packed as by :func:`_packed_mask`, in two reused bool buffers.
 
     Fresh comparison results of a megabyte or more are new pages each call (the page faults doubled the comparisons'
-    time at 1M elements); the buffers are this thread's, grown to the largest input seen, and only read before the
-    packed bits are returned.
+    time at 1M elements); the buffers are this thread's, grown to the largest input seen up to
+    :data:`SCRATCH_ELEMENTS`, and only read before the packed bits are returned.
     """
     n = xn.size
     buffers = getattr(_scratch, "buffers", None)
-    if buffers is None or buffers[0].size < n:
+    if n > SCRATCH_ELEMENTS:
+        buffers = (_np.empty(n, _np.bool_), _np.empty(n, _np.bool_))
+    elif buffers is None or buffers[0].size < n:
         buffers = _scratch.buffers = (_np.empty(n, _np.bool_), _np.empty(n, _np.bool_))
     a, b = (buf[:n].reshape(xn.shape) for buf in buffers)
     (_np.greater if strict_lo else _np.greater_equal)(xn, lo, out=a)
