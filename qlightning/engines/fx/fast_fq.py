@@ -291,10 +291,9 @@ def _update_qparams(self: FusedMovingAvgObsFakeQuantize, ndim: int) -> tuple[tor
             # one zero point for every channel (0 for symmetric weights): integer bounds, a clamp 3.5x faster than
             # one with per-channel bound tensors, and the same values
             zp = int(zero_point[0])
-            lo, hi = obs.quant_min - zp, obs.quant_max - zp
         else:
             zp = zero_point.to(torch.float32).reshape(shape)
-            lo, hi = obs.quant_min - zp, obs.quant_max - zp
+        lo, hi = obs.quant_min - zp, obs.quant_max - zp
     else:
         zp = int(self._buffers["zero_point"].item())
         lo, hi = obs.quant_min - zp, obs.quant_max - zp
@@ -317,20 +316,13 @@ def fast_fake_quant_forward(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor
     Args:
         X: the input; small, non-CPU or non-float32 inputs take torch.ao's own forward.
     """
-    if not self.__dict__.get("_qlightning_repeated", False):
-        return _fast_fake_quant(self, X)
-    last = _LAST_OUTPUT.get(self)
-    if last is not None and _own_output(self, X, last):
-        out = _repeat_on_own_output(self, X, last)
-        if out is not None:
-            return out
-    out = _fast_fake_quant(self, X)
-    call = _LAST_CALL.pop(self, (None, None))
-    if call is UNOBSERVED:
-        _LAST_OUTPUT.pop(self, None)
-    else:
-        _remember(self, out, *call)
-    return out
+    if self.__dict__.get("_qlightning_repeated", False):
+        last = _LAST_OUTPUT.get(self)
+        if last is not None and _own_output(self, X, last):
+            out = _repeat_on_own_output(self, X, last)
+            if out is not None:
+                return out
+    return _fast_fake_quant(self, X)
 
 
 class _Last(NamedTuple):
@@ -350,12 +342,13 @@ class _Last(NamedTuple):
 # head's q, k and v three times (40 of the benchmark Transformer's 101 fake-quant calls a step). Each module's last
 # call is kept here, outside the modules, so that pickling and deepcopy never see a weak reference.
 _LAST_OUTPUT: "weakref.WeakKeyDictionary[nn.Module, _Last]" = weakref.WeakKeyDictionary()
-# What the full pass of a repeated module's current call observed and fake-quantized with, for :func:`_remember`.
-_LAST_CALL: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 
 
 def _remember(fq: nn.Module, out: torch.Tensor, observed: Optional[torch.Tensor] = None,
               qparams: Optional[tuple[Any, Any, Any]] = None) -> None:
+    """Keep ``fq``'s call for :func:`_repeat_on_own_output`, when ``fq`` is called at several sites (else nothing)."""
+    if not fq.__dict__.get("_qlightning_repeated", False):
+        return
     if out.is_inference() or not dense_order(out).is_contiguous():
         # inference tensors keep no version counter; a tensor that is not one span of memory shares its base with
         # views holding other values
@@ -466,21 +459,22 @@ def _fast_fake_quant(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> to
                 and self._buffers["fake_quant_enabled"].item() == 1)):
         # small tensors: the fused op's single dispatch beats several vectorized ones
         self.__dict__.pop("_qlightning_cache", None)  # the op writes scale / zp without a version bump
-        return type(self).forward(self, torch.relu(X) if relu else X)
+        out = type(self).forward(self, torch.relu(X) if relu else X)
+        _remember(self, out)
+        return out
     observed: list = []
     qparams = _observe_then_qparams(self, X, relu, observed)
     seen = observed[0] if observed else None
     if qparams is FAKE_QUANT_OFF:
-        if self.__dict__.get("_qlightning_repeated", False):
-            _LAST_CALL[self] = (seen, None)
-        return torch.relu(X) if relu else X  # the fused op returns a copy whose gradient is grad * ones
-    if qparams is UNOBSERVED:  # (not remembered: torch.ao's op derives qparams from no statistics)
-        if self.__dict__.get("_qlightning_repeated", False):
-            _LAST_CALL[self] = UNOBSERVED
+        out = torch.relu(X) if relu else X  # the fused op returns a copy whose gradient is grad * ones
+        _remember(self, out, seen)
+        return out
+    if qparams is UNOBSERVED:  # not remembered: torch.ao's op derives qparams from no statistics
+        _LAST_OUTPUT.pop(self, None)
         return type(self).forward(self, torch.relu(X) if relu else X)
-    if self.__dict__.get("_qlightning_repeated", False):
-        _LAST_CALL[self] = (seen, qparams)
-    return (_ReluFakeQuant if relu else _FakeQuant).apply(X, *qparams)
+    out = (_ReluFakeQuant if relu else _FakeQuant).apply(X, *qparams)
+    _remember(self, out, seen, qparams)
+    return out
 
 
 FAKE_QUANT_OFF, UNOBSERVED = object(), object()
