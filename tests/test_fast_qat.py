@@ -133,7 +133,13 @@ def test_fast_conv_bn_matches_up_to_rounding_and_converts_the_same():
     ref = _prepare(copy.deepcopy(net), x, fast_qat=False)
     fast = _prepare(copy.deepcopy(net), x)
     with torch.no_grad():
-        assert torch.allclose(ref(x), fast(x), rtol=1e-4, atol=1e-4)
+        out_ref, out_fast = ref(x), fast(x)
+    # "up to rounding": the folded convolutions differ in float rounding (by CPU: oneDNN picks other kernels on
+    # AVX2 than on AVX-512), which can move a value across a rounding boundary of the output fake-quant, one step
+    step = float(ref.activation_post_process_7.scale)
+    off = (out_ref - out_fast).abs()
+    assert off.max() <= step * 1.001, (off.max(), step)
+    assert (off > 1e-4).float().mean() <= 0.01, "more than 1 % of the outputs off by a quantization step"
     # same state into both: converted int8 models are identical (convert_fx sees torch.ao's classes)
     fast.load_state_dict(ref.state_dict())
     engine, spec = get_engine("fx"), QuantSpec(backend="x86")
