@@ -411,6 +411,42 @@ def test_config_mapping_carries_over_to_the_x86_inductor_quantizer():
     assert "qconfig_mapping.module_name_regex: not supported by the pt2e engine" in text
 
 
+@pytest.mark.parametrize("saturates", [True, False])
+def test_default_activation_range_follows_what_this_cpus_int8_kernels_compute(monkeypatch, saturates):
+    """Without VNNI the x86 u8 x s8 kernels saturate their int16 pair sums with 8-bit activations (the PT2E digits
+    CNN through inductor: 14.8 dB from its q/dq reference on an AMD EPYC with AVX2, where the gate wants 25): the
+    default (and ``auto``) takes 7-bit activations there and says so; an explicit 8-bit ``default`` is kept and
+    warned of before training. With VNNI the default keeps X86InductorQuantizer's 8 bits and says nothing."""
+    import qlightning.engines.pt2e.engine as pt2e
+
+    monkeypatch.setattr(pt2e, "u8s8_pair_sums_saturate", lambda: saturates)
+    expected_max = 127 if saturates else 255
+
+    def activation_max(qat) -> int:
+        quantizer = qat.spec.qconfig_mapping or get_engine("pt2e")._default_quantizer(qat.spec)
+        return quantizer.global_config.input_activation.quant_max
+
+    for mapping in (None, {"global": "auto"}, {"module_name": [{"name": "classifier", "qconfig": None}]}):
+        qat = QuantizationAwareTraining(engine="pt2e", qconfig_mapping=mapping)
+        assert activation_max(qat) == expected_max, mapping
+        notes = get_engine("pt2e").notes(qat.spec)
+        assert [w for w, _ in notes] == ([False] if saturates else [])
+        assert not saturates or "0..127" in notes[0][1] and "no VNNI" in notes[0][1]
+    explicit = QuantizationAwareTraining(engine="pt2e", qconfig_mapping={"global": "default"})
+    assert activation_max(explicit) == 255
+    notes = get_engine("pt2e").notes(explicit.spec)
+    assert [w for w, _ in notes] == ([True] if saturates else [])
+    assert not saturates or "qconfig_mapping: auto" in notes[0][1]
+    # the prepared graph quantizes activations to that range, and the callback records the note
+    lm, qat = DigitsClassifier(), QuantizationAwareTraining(engine="pt2e")
+    qat.prepare(lm)
+    maxima = {int(m.quant_max) for name, m in lm.net.named_modules()
+              if "activation_post_process" in name and getattr(m, "dtype", None) == torch.uint8}
+    assert maxima == {expected_max}, maxima
+    assert qat.session.engine_notes == [text for _, text in get_engine("pt2e").notes(qat.spec)]
+    assert len(qat.session.engine_notes) == int(saturates) and not qat.notices  # said, not warned
+
+
 # ----------------------------------------------------------------------------- dead code, dynamic dims, int8 state
 
 

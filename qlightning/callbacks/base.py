@@ -72,6 +72,18 @@ class SessionCallback:
         self.notices.append(message)
         rank_zero_warn(f"[qlightning] {message}")
 
+    def _say_engine_notes(self, spec: Any = None) -> None:
+        """Log what the engine chose for the spec (:meth:`QuantEngine.notes`), once; its warnings become notices."""
+        if self.session.engine_notes:
+            return
+        for warning, text in self.engine.notes(spec if spec is not None else self.spec):
+            self.session.engine_notes.append(text)
+            if warning:
+                self.notices.append(text)
+                rank_zero_warn(f"[qlightning] {text}")
+            else:
+                rank_zero_info(f"[qlightning] {text}")
+
     @property
     def engine(self) -> QuantEngine:
         if self._engine is None:

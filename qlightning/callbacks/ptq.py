@@ -371,6 +371,7 @@ class PostTrainingQuantization(SessionCallback, Callback):
             else:
                 details.setdefault("equalization", {})["layers"] = equalized_layers(eq)
             spec = spec_for_ptq(self.spec, None, eq)
+            self._say_engine_notes(spec)
             set_submodule(pl_module, name, self.engine.prepare(float_module, self.inputs[name], spec))
             details["spec"] = spec
         prepared = {name: pl_module.get_submodule(name) for name in self.targets}

@@ -432,6 +432,7 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
             return
         self.engine  # resolved before the session uses it
         self.session.prepare(pl_module, compat.first_training_batch(trainer) if trainer is not None else None)
+        self._say_engine_notes()
         self.session.apply_phase(pl_module, self.schedule.phase(0, 0))
         self.session.set_observers(pl_module, False)
         processes = trainer.world_size if trainer is not None else 1

@@ -184,6 +184,7 @@ class QuantSession:
         self.fidelity_results: dict[str, dict[str, Any]] = {}
         #: what went differently from the plan (a fit that ended before fake-quant, a fallback), in words
         self.notices: list[str] = []
+        self.engine_notes: list[str] = []  # what the engine chose for the spec (QuantEngine.notes), said at prepare
 
     @property
     def backend(self) -> str:

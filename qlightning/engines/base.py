@@ -24,6 +24,25 @@ from qlightning.core.schedule import Phase
 BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")
 
 
+def u8s8_pair_sums_saturate() -> bool:
+    """Whether this CPU's x86 int8 kernels (oneDNN, fbgemm) add pairs of u8 x s8 products in int16 with saturation.
+
+    Without VNNI (``vpdpbusd``: AVX512-VNNI, AVX-VNNI) or AMX, they multiply with AVX2's ``vpmaddubsw``, whose int16
+    pair sums saturate beyond 32767: 8-bit activations (0..255) times 8-bit weights (up to 127) reach 64770, so the
+    int8 model stops computing what fake-quant trained (PT2E digits CNN through inductor: 14.8 dB from its q/dq
+    reference on an AMD EPYC with AVX2; 68.5 dB with 7-bit activations). Not x86: ``False``.
+    """
+    vnni = ("avx512_vnni", "avx_vnni", "amx_int8")
+    if hasattr(torch.cpu, "get_capabilities"):  # torch 2.13 has it; older releases may not
+        caps = torch.cpu.get_capabilities()
+        return caps.get("architecture") in ("x86_64", "x86") and not any(caps.get(flag, False) for flag in vnni)
+    try:  # older torch: the kernel's own flags (Linux)
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx2" in flags and not any(flag in flags for flag in vnni)
+
+
 @dataclass
 class QuantSpec:
     """Engine-neutral description of how to quantize one submodule.
@@ -72,6 +91,15 @@ class QuantEngine(ABC):
     pickles_without_prepared: ClassVar[bool] = False
     #: whether ``qlightning recipes validate`` / ``doctor`` dry-run prepare -> convert by default (seconds)
     dry_run_by_default: ClassVar[bool] = False
+
+    def notes(self, spec: QuantSpec) -> list[tuple[bool, str]]:
+        """What this engine chose for ``spec`` that a user should read before training, as ``(warning, text)``
+        pairs: the callback logs them at prepare and a warning becomes one of the run's notices.
+
+        Args:
+            spec: the resolved spec.
+        """
+        return []
 
     def converted_here(self, module: nn.Module) -> bool:
         """Whether ``module`` is what this engine's :meth:`convert` makes (lowering asks, to pick the engine).

@@ -211,6 +211,7 @@ def build_report(
         "float_snapshot_step": session.float_snapshot_step,
         "fidelity": dict(session.fidelity_results),
         "notices": list(session.notices),
+        "engine_notes": list(session.engine_notes),
         "modules": list(session.targets),
         "engine": session.engine.name,
         "lowering": dict(session.lowering_choices),

@@ -46,7 +46,7 @@ from torch import nn
 from qlightning.engines.base import (
     Inputs, QuantEngine, QuantSpec, ZeroCenteredWeightRange, check_batch_norm_gammas, current_range_weight_ctr,
     keeps_last_observation, lean_float_phase, register_plain_flag_setters, set_flag, settle_fake_quant_state,
-    trained_qparams,
+    trained_qparams, u8s8_pair_sums_saturate,
 )
 from qlightning.engines.names import plain, resolve_reference
 from qlightning.core.quiet import quiet
@@ -55,6 +55,15 @@ from qlightning.core.schedule import Phase
 
 #: the named qconfigs the pt2e engine takes: keyword arguments of get_default_x86_inductor_quantization_config
 _X86_VARIANTS = {"default": {}, "dynamic": {"is_dynamic": True}, "reduce_range": {"reduce_range": True}}
+_AUTO = "auto"  # what a spec gets without a qconfig_mapping.global: see auto_variant
+
+
+def auto_variant() -> str:
+    """The x86 variant ``auto`` stands for on this CPU: ``reduce_range`` (activations over 0..127) where the u8 x s8
+    kernels' int16 pair sums saturate (:func:`~qlightning.engines.base.u8s8_pair_sums_saturate`: no VNNI), else
+    ``default`` (X86InductorQuantizer's 8-bit activations, for the VNNI CPUs it was written for). torch.ao's own x86
+    QAT qconfig (the FX engine's) reduces the range on every CPU."""
+    return "reduce_range" if u8s8_pair_sums_saturate() else "default"
 _STATE_KEY = "qlightning_pt2e"  # in GraphModule.meta (deep-copied with the module)
 
 # Keys that only the FX engine understands: (QuantSpec attribute or option, config key to name).
@@ -832,8 +841,9 @@ class Pt2eEngine(QuantEngine):
     def quantizer_from_data(self, data: Any, is_qat: bool, errors: list[str], trusted: Any = ()) -> Any:
         """Map ``qconfig_mapping`` onto ``X86InductorQuantizer`` where the meaning is the same.
 
-        ``global``, ``object_type`` and ``module_name`` carry over; each qconfig may be ``default``,
-        ``dynamic``, ``reduce_range`` (for CPUs without VNNI) or ``null``. Presets, observer specs,
+        ``global``, ``object_type`` and ``module_name`` carry over; each qconfig may be ``auto`` (the global's
+        default: :func:`auto_variant`), ``default``, ``dynamic``, ``reduce_range`` (for CPUs without VNNI) or
+        ``null``. Presets, observer specs,
         regexes and call-order entries are FX features and are refused, naming the FX engine.
 
         Args:
@@ -852,22 +862,24 @@ class Pt2eEngine(QuantEngine):
         def config(value: Any, key: str) -> Any:
             if value is None or value == "none":
                 return None
+            if value == _AUTO:
+                value = auto_variant()
             if isinstance(value, str) and value in _X86_VARIANTS:
                 return self.ao.x86_config(is_qat=is_qat, **_X86_VARIANTS[value])
             errors.append(
-                f"{key}={value!r}: the pt2e engine (X86InductorQuantizer) takes {sorted(_X86_VARIANTS)} or null; "
+                f"{key}={value!r}: the pt2e engine (X86InductorQuantizer) takes {sorted([*_X86_VARIANTS, _AUTO])} or null; "
                 "qconfig presets and observer specs need engine='fx'"
             )
             return None
 
         for key in sorted(set(data) - {"global", "object_type", "module_name"}):
             errors.append(f"qconfig_mapping.{key}: not supported by the pt2e engine; use engine='fx'")
-        global_value = data.get("global", "default")
+        global_value = data.get("global", _AUTO)
         global_config = config(global_value, "qconfig_mapping.global")
         if global_config is not None:
             quantizer.set_global(global_config)
             if is_qat and isinstance(global_value, str):
-                self._average_linear_ranges(quantizer, global_value)
+                self._average_linear_ranges(quantizer, auto_variant() if global_value == _AUTO else global_value)
         for i, item in enumerate(data.get("object_type") or []):
             key = f"qconfig_mapping.object_type[{i}]"
             target = resolve_reference(item.get("type"), f"{key}.type", errors, trusted, object_type=True)
@@ -915,9 +927,19 @@ class Pt2eEngine(QuantEngine):
             errors.extend(exc.problems)
         return spec
 
+    def _default_quantizer(self, spec: QuantSpec) -> Any:
+        """``X86InductorQuantizer`` with the x86 config :func:`auto_variant` picks for this CPU (a spec without a
+        ``qconfig_mapping``)."""
+        variant = auto_variant()
+        quantizer = self.ao.X86InductorQuantizer()
+        quantizer.set_global(self.ao.x86_config(is_qat=spec.is_qat, **_X86_VARIANTS[variant]))
+        if spec.is_qat:
+            self._average_linear_ranges(quantizer, variant)
+        return quantizer
+
     def quantizer(self, spec: QuantSpec) -> Any:
         """The torchao quantizer to prepare with: the spec's own ``Quantizer``, else ``X86InductorQuantizer``
-        with the default x86 config, average pools observing their own output (``pool_observers``); composed after an
+        with the x86 config :func:`auto_variant` picks for this CPU, average pools observing their own output (``pool_observers``); composed after an
         ``EmbeddingQuantizer`` with ``quantize_embeddings``.
 
         Args:
@@ -926,10 +948,7 @@ class Pt2eEngine(QuantEngine):
         if isinstance(spec.qconfig_mapping, self.ao.Quantizer):
             quantizer = spec.qconfig_mapping
         else:
-            quantizer = self.ao.X86InductorQuantizer()
-            quantizer.set_global(self.ao.x86_config(is_qat=spec.is_qat))
-            if spec.is_qat:
-                self._average_linear_ranges(quantizer, "default")
+            quantizer = self._default_quantizer(spec)
         if type(quantizer) is self.ao.X86InductorQuantizer and spec.options.get("pool_observers", True):
             quantizer = _pool_observing_quantizer(self.ao.Quantizer)(quantizer)  # not a custom subclass's choices
         if spec.options.get("quantize_embeddings", False):
@@ -940,6 +959,30 @@ class Pt2eEngine(QuantEngine):
 
             quantizer = ComposableQuantizer([EmbeddingQuantizer(), quantizer])
         return quantizer
+
+    def notes(self, spec: QuantSpec) -> list[tuple[bool, str]]:
+        """The activation range X86InductorQuantizer quantizes to, where this CPU makes it matter (no VNNI): 7 bits
+        is said (``auto`` chose it), 8 bits is warned of (int8 will saturate where fake-quant did not).
+
+        Args:
+            spec: the resolved spec.
+        """
+        if not u8s8_pair_sums_saturate():
+            return []
+        quantizer = spec.qconfig_mapping
+        if not isinstance(quantizer, self.ao.Quantizer):
+            quantizer = self._default_quantizer(spec)
+        activation = getattr(getattr(quantizer, "global_config", None), "input_activation", None)
+        if not isinstance(quantizer, self.ao.X86InductorQuantizer) or activation is None or activation.dtype != torch.uint8:
+            return []
+        why = ("this CPU has no VNNI, and its x86 int8 kernels add pairs of u8 x s8 products in int16, which "
+               "saturate with 8-bit activations")
+        if (activation.quant_max or 255) <= 127:
+            return [(False, f"pt2e: activations quantized over 0..127 (X86InductorQuantizer reduce_range): {why}; "
+                            "the int8 model computes the same on every x86 CPU")]
+        return [(True, f"pt2e: activations quantized over 0..255 on a CPU where int8 cannot compute them: {why}, so the "
+                       "int8 model will part from the fake-quant model that trained; use qconfig_mapping: auto "
+                       "(7 bits here) or reduce_range, or convert on a CPU with VNNI")]
 
     # ------------------------------------------------------------------ prepare
 
