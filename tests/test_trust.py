@@ -96,6 +96,42 @@ def test_one_signed_weight_channels_keep_zero_point_0(engine):
     assert all(int(m.zero_point.abs().max()) == 0 for m in weight_fqs)
 
 
+@pytest.mark.parametrize("one_signed", [False, True])
+def test_zero_centred_weight_fake_quant_in_one_call_is_observe_straddle_then_fake_quant(one_signed):
+    """The default weight fake-quant observes and fake-quantizes in one fused-op call where the observed range holds
+    zero, and straddles then fake-quantizes again only where it does not: outputs, gradients and every buffer equal,
+    bit for bit, those of always observing first (the two calls the small-weight path made before stop 44)."""
+    from qlightning.engines.base import _OFF, _ON, fused_fake_quant, straddle_zero_
+
+    torch.manual_seed(0)
+    model = DigitsClassifier()
+    qat = QuantizationAwareTraining(modules=["net"])
+    qat.prepare(model)
+    fq = next(m for m in model.net.modules() if type(m).__name__ == "ZeroCenteredFusedFakeQuantize" and m.is_per_channel)
+    fq.enable_observer()
+    fq.enable_fake_quant()
+    reference = copy.deepcopy(fq)
+    for step in range(3):
+        w = torch.randn(fq.scale.numel(), 1, 3, 3) * (step + 1)
+        if one_signed:
+            w[0].abs_()
+            w[2].zero_()
+        w_ref = w.clone().requires_grad_()
+        w = w.requires_grad_()
+        out = fq(w)
+        with torch.no_grad():
+            fused_fake_quant(reference, w_ref.detach(), _ON, _OFF)
+            straddle_zero_(reference.activation_post_process)
+        out_ref = fused_fake_quant(reference, w_ref, _OFF, reference.fake_quant_enabled)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        out_ref.backward(grad)
+        assert torch.equal(out, out_ref) and torch.equal(w.grad, w_ref.grad)
+        for (key, a), b in zip(fq.state_dict().items(), reference.state_dict().values()):
+            assert torch.equal(a, b), (step, key)
+    assert int(fq.zero_point.abs().max()) == 0
+
+
 def test_the_default_schedule_is_derived_from_the_length_of_the_run(monkeypatch):
     import qlightning.callbacks.qat as qat_module
 
