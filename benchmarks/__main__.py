@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODEL_NAMES = ("digits_cnn", "resnet18_like", "transformer")
+MODEL_NAMES = ("digits_cnn", "resnet18_like", "transformer", "mobilenet_v2_like")
 
 
 def _log(msg: str) -> None:
@@ -390,10 +390,38 @@ def run_compile(args: argparse.Namespace) -> None:
     _log(f"wrote {path}")
 
 
+def run_steps(args: argparse.Namespace) -> None:
+    """QAT step / float step per model at each of ``--batches``, observing and frozen; writes
+    results/steps-<time>.json (``--out``), whose figures the README's table shows."""
+    from benchmarks import suites
+    from benchmarks.models import model_spec
+
+    names = args.models.split(",") if args.models else list(MODEL_NAMES)
+    batches = [int(b) for b in args.batches.split(",")]
+    path = Path(args.out).with_suffix(".json") if args.out else RESULTS / f"steps-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    if path.exists() and not args.overwrite:
+        raise SystemExit(f"{path} exists; --overwrite to replace it")
+    out: dict[str, Any] = {"machine": machine(args), "models": {}}
+    started = time.perf_counter()
+    for name in names:
+        spec = model_spec(name, args.quick)
+        out["models"][name] = {"title": spec.title, "batches": {}}
+        for batch in batches:
+            # a step's cost grows with the batch: fewer repeats for the large ones keep each model near a minute
+            repeats = args.repeats or max(8, min(100, int(400 / max(1, batch)) if name != "digits_cnn" else 100))
+            _log(f"steps: {name} batch {batch} ({repeats} repeats)")
+            figures = suites.step_ratios_by_batch(spec, batch, repeats, args.clock)
+            out["models"][name]["batches"][str(batch)] = figures
+            print(json.dumps({name: {batch: figures["over_float"]}}), flush=True)
+    out["wall_s"] = round(time.perf_counter() - started, 1)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    _log(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy", "options", "readme", "compile", "fit", "int8"))
+    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy", "options", "readme", "compile", "fit", "int8", "steps"))
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--repeats", type=int, default=0, help="repeats per timing (default: per model and mode)")
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer candidates (< ~3 min on 2 cores)")
@@ -410,6 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", default=None, help="readme: the results JSON (default: results/latest.json)")
     parser.add_argument("--write", action="store_true", help="readme: put the table into README.md")
     # scaling
+    parser.add_argument("--batches", default="1,32,64", help="steps: comma-separated batch sizes")
     parser.add_argument("--blocks", default="10,50,200")
     parser.add_argument("--engines", default="fx")
     parser.add_argument("--profile", action="store_true", help="scaling: cProfile the largest size instead")
@@ -442,6 +471,8 @@ def main(argv: list[str] | None = None) -> None:
         return run_compile(args)
     if args.command == "int8":
         return run_int8(args)
+    if args.command == "steps":
+        return run_steps(args)
     if args.command == "fit":
         from benchmarks import suites
 

@@ -1,4 +1,4 @@
-"""The benchmark models: the digits CNN, a ResNet-18-like CNN and a 4-layer Transformer encoder.
+"""The benchmark models: the digits CNN, a ResNet-18-like CNN, a 4-layer Transformer encoder and a MobileNetV2-like CNN.
 
 Every model is written so that both torch.ao FX graph mode (``symbolic_trace``) and ``torch.export``
 capture it whole: no data-dependent control flow, residual adds as ``a + b``, attention written out
@@ -68,6 +68,62 @@ class ResNet18Like(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(self.stem(x))
         return self.fc(torch.flatten(self.pool(x), 1))
+
+
+# ---------------------------------------------------------------------------------------------- MobileNetV2
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expand conv-bn-relu6 (when ``expand > 1``), 3x3 depthwise conv-bn-relu6, 1x1
+    project conv-bn, + identity when the shape is kept (torchvision's ``InvertedResidual``)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = c_in * expand
+        layers: list[nn.Module] = []
+        if expand != 1:
+            layers += [nn.Conv2d(c_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6()]
+        layers += [
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(),
+            nn.Conv2d(hidden, c_out, 1, bias=False), nn.BatchNorm2d(c_out),
+        ]
+        self.conv = nn.Sequential(*layers)
+        self.residual = stride == 1 and c_in == c_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.residual else self.conv(x)
+
+
+class MobileNetV2Like(nn.Module):
+    """MobileNetV2's layout (torchvision's inverted-residual settings, 17 blocks, ReLU6, a 1x1 head conv) at
+    ``width`` times its channels, with the usual 32x32 changes: a stride-1 stem and a stride-1 second stage.
+
+    ``width=0.5`` (the benchmark's): 0.7M parameters; depthwise convolutions make a third of its convolutions.
+    """
+
+    SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
+
+    def __init__(self, width: float = 0.5, num_classes: int = 10, in_channels: int = 3) -> None:
+        super().__init__()
+
+        def channels(c: int) -> int:  # torchvision's _make_divisible(c * width, 8)
+            return max(8, int(c * width + 4) // 8 * 8)
+
+        c_in = channels(32)
+        layers: list[nn.Module] = [nn.Sequential(nn.Conv2d(in_channels, c_in, 3, 1, 1, bias=False),
+                                                 nn.BatchNorm2d(c_in), nn.ReLU6())]
+        for expand, c, n, s in self.SETTINGS:
+            for i in range(n):
+                layers.append(InvertedResidual(c_in, channels(c), s if i == 0 else 1, expand))
+                c_in = channels(c)
+        last = max(1280, channels(1280))
+        layers.append(nn.Sequential(nn.Conv2d(c_in, last, 1, bias=False), nn.BatchNorm2d(last), nn.ReLU6()))
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Linear(last, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.pool(self.features(x)), 1))
 
 
 # ---------------------------------------------------------------------------------------------- Transformer
@@ -197,11 +253,13 @@ MODELS: dict[str, ModelSpec] = {
     "digits_cnn": _DigitsSpec("digits_cnn", "digits CNN", lambda: DigitsCNN(), (1, 8, 8), 64),
     "resnet18_like": ModelSpec("resnet18_like", "ResNet-18-like (width 32)", lambda: ResNet18Like(width=32), (3, 32, 32), 32),
     "transformer": ModelSpec("transformer", "Transformer (4 layers, d=256, seq 64)", lambda: TransformerEncoder(), (64, 32), 16),
+    "mobilenet_v2_like": ModelSpec("mobilenet_v2_like", "MobileNetV2-like (width 0.5)", lambda: MobileNetV2Like(0.5), (3, 32, 32), 32),
 }
 QUICK_OVERRIDES = {
     # --quick: a narrower ResNet and a shorter sequence keep the smoke run under ~3 minutes on 2 cores
     "resnet18_like": ModelSpec("resnet18_like", "ResNet-18-like (width 16)", lambda: ResNet18Like(width=16), (3, 32, 32), 16),
     "transformer": ModelSpec("transformer", "Transformer (4 layers, d=256, seq 32)", lambda: TransformerEncoder(), (32, 32), 16),
+    "mobilenet_v2_like": ModelSpec("mobilenet_v2_like", "MobileNetV2-like (width 0.25)", lambda: MobileNetV2Like(0.25), (3, 32, 32), 16),
 }
 
 

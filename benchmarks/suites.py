@@ -116,6 +116,44 @@ def qat_step_ratios(spec: ModelSpec, repeats: int, clock: str, pt2e: bool = True
     return _step_figures(spec, interleaved_medians(fns, repeats, warmup=3, clock=clock), repeats)
 
 
+def step_ratios_by_batch(spec: ModelSpec, batch: int, repeats: int, clock: str) -> dict[str, Any]:
+    """QAT train step / float train step at ``batch``, observing and frozen, torch.ao FX's and qlightning FX's, in
+    one interleaved run (issue 18's batch 1 / 32 / 64: per-module Python weighs most at batch 1)."""
+    torch.manual_seed(0)
+    float_model = spec.build()
+    x, y = spec.inputs(max(batch, 2)), spec.labels(max(batch, 2))
+    x, y = x[:batch], y[:batch]
+    example = x[:1]
+
+    def frozen(module: nn.Module, engine_phase: Callable[[nn.Module, Phase], nn.Module]) -> nn.Module:
+        with torch.no_grad():
+            module(spec.inputs(max(batch, 8)))  # observers calibrated once, then frozen (the late QAT phase)
+        return engine_phase(module, QAT_FROZEN)
+
+    variants: dict[str, nn.Module] = {"float": float_model}
+    variants["torch.ao FX"] = set_phase(torchao_fx_prepare(copy.deepcopy(float_model), example), QAT_ON)
+    variants["torch.ao FX, frozen"] = frozen(set_phase(torchao_fx_prepare(copy.deepcopy(float_model), example), QAT_ON),
+                                             _torchao_frozen)
+    variants["qlightning FX"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON)
+    variants["qlightning FX, frozen"] = frozen(set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON),
+                                               set_phase)
+    fns = {name: train_step(m, x, y) for name, m in variants.items()}
+    figures = _step_figures(spec, interleaved_medians(fns, repeats, warmup=3, clock=clock), repeats)
+    figures["batch"] = batch
+    return figures
+
+
+def _torchao_frozen(module: nn.Module, phase: Phase) -> nn.Module:
+    """torch.ao's own late-QAT switches (its tutorial's): observers off, BatchNorm statistics frozen."""
+    from torch.ao.nn.intrinsic.qat import freeze_bn_stats
+    from torch.ao.quantization import disable_observer
+
+    assert not phase.observe and phase.bn_frozen and phase.fake_quant
+    module.apply(disable_observer)
+    module.apply(freeze_bn_stats)
+    return module
+
+
 def _step_figures(spec: ModelSpec, stats: dict[str, dict[str, float]], repeats: int) -> dict[str, Any]:
     """Step medians, each over the float step, and quartiles, from one interleaved run."""
     med = medians(stats)

@@ -63,8 +63,9 @@ def test_readme_table_is_generated_from_the_committed_results():
     text = (ROOT / "README.md").read_text()
     results = json.loads(readme.RESULTS_FILE.read_text())
     compiled = json.loads(readme.COMPILE_FILE.read_text())
-    sources = "benchmarks/results/latest.json and benchmarks/results/compile.json"
-    assert readme.readme_block(text) == readme.block(results, sources, compiled), (
+    steps = json.loads(readme.STEPS_FILE.read_text())
+    sources = "benchmarks/results/latest.json, benchmarks/results/compile.json and benchmarks/results/steps.json"
+    assert readme.readme_block(text) == readme.block(results, sources, compiled, steps), (
         f"README's benchmarks table differs from {sources}: run `python -m benchmarks readme --write`"
     )
 
@@ -72,7 +73,7 @@ def test_readme_table_is_generated_from_the_committed_results():
 def test_readme_table_marks_missing_figures(tmp_path):
     results = json.loads(readme.RESULTS_FILE.read_text())
     full_row = next(row for row in readme.table(results).splitlines() if row.startswith("| QAT train step / float step: torch.ao FX |"))
-    del results["models"]["transformer"]
+    del results["models"][readme.COLUMNS[-1][0]]  # the last column's model
     del results["scaling"]
     table = readme.table(results)
     assert full_row.rsplit("|", 2)[0] + "| n/a |" in table  # the other models' figures kept, the missing one marked
@@ -82,10 +83,25 @@ def test_readme_table_marks_missing_figures(tmp_path):
     readme.main(readme.RESULTS_FILE, write=True, readme=readme_file)
     assert readme_file.read_text().startswith("intro\n\n") and readme_file.read_text().endswith("\n\nafter\n")
     assert readme.readme_block(readme_file.read_text()) == readme.block(
-        json.loads(readme.RESULTS_FILE.read_text()), "benchmarks/results/latest.json and benchmarks/results/compile.json",
-        json.loads(readme.COMPILE_FILE.read_text()))
+        json.loads(readme.RESULTS_FILE.read_text()),
+        "benchmarks/results/latest.json, benchmarks/results/compile.json and benchmarks/results/steps.json",
+        json.loads(readme.COMPILE_FILE.read_text()), json.loads(readme.STEPS_FILE.read_text()))
     compiled = json.loads(readme.COMPILE_FILE.read_text())
     del compiled["models"]["transformer"]
     cold = [" + ".join(f"{compiled['models'][m]['first_two_steps_s'][k]:.0f}" for k in
                        ("qlightning FX compiled", "qlightning FX compiled, frozen")) + " s" for m in ("digits_cnn", "resnet18_like")]
     assert f"| ... its compiles, observing + frozen graphs (cold cache) | {cold[0]} | {cold[1]} | n/a |" in readme.table(results, compiled)
+
+
+def test_readme_steps_rows_come_from_the_steps_file_and_mark_a_missing_model():
+    results = json.loads(readme.RESULTS_FILE.read_text())
+    steps = json.loads(readme.STEPS_FILE.read_text())
+    batches = list(steps["models"]["digits_cnn"]["batches"])
+    label = "| ... qlightning FX, observers and BatchNorm frozen |"
+    row = next(r for r in readme.table(results, None, steps).splitlines() if r.startswith(label))
+    expected = " / ".join(f"{steps['models']['digits_cnn']['batches'][b]['over_float']['qlightning FX, frozen']:.2f}x" for b in batches)
+    assert row.startswith(f"{label} {expected} |"), row
+    del steps["models"]["mobilenet_v2_like"]
+    row = next(r for r in readme.table(results, None, steps).splitlines() if r.startswith(label))
+    assert row.endswith("| n/a |") and row.count(" / ") == 3 * (len(batches) - 1), row
+    assert label not in readme.table(results)  # no steps file: no rows
