@@ -24,6 +24,7 @@ from qlightning.core.schedule import Phase
 BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")
 
 
+@functools.lru_cache(maxsize=None)  # the CPU does not change under a process; the fallback reads a file
 def u8s8_pair_sums_saturate() -> bool:
     """Whether this CPU's x86 int8 kernels (oneDNN, fbgemm) add pairs of u8 x s8 products in int16 with saturation.
 

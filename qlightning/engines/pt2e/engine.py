@@ -64,6 +64,8 @@ def auto_variant() -> str:
     ``default`` (X86InductorQuantizer's 8-bit activations, for the VNNI CPUs it was written for). torch.ao's own x86
     QAT qconfig (the FX engine's) reduces the range on every CPU."""
     return "reduce_range" if u8s8_pair_sums_saturate() else "default"
+
+
 _STATE_KEY = "qlightning_pt2e"  # in GraphModule.meta (deep-copied with the module)
 
 # Keys that only the FX engine understands: (QuantSpec attribute or option, config key to name).
@@ -875,11 +877,13 @@ class Pt2eEngine(QuantEngine):
         for key in sorted(set(data) - {"global", "object_type", "module_name"}):
             errors.append(f"qconfig_mapping.{key}: not supported by the pt2e engine; use engine='fx'")
         global_value = data.get("global", _AUTO)
+        if global_value == _AUTO:
+            global_value = auto_variant()  # resolved once, for the config and the Linear ranges alike
         global_config = config(global_value, "qconfig_mapping.global")
         if global_config is not None:
             quantizer.set_global(global_config)
             if is_qat and isinstance(global_value, str):
-                self._average_linear_ranges(quantizer, auto_variant() if global_value == _AUTO else global_value)
+                self._average_linear_ranges(quantizer, global_value)
         for i, item in enumerate(data.get("object_type") or []):
             key = f"qconfig_mapping.object_type[{i}]"
             target = resolve_reference(item.get("type"), f"{key}.type", errors, trusted, object_type=True)
