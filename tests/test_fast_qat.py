@@ -539,3 +539,40 @@ def test_a_remembered_call_keeps_the_grid_its_output_was_made_with():
     fq.scale.fill_(scale * 2)
     remembered = fast_fq._LAST_OUTPUT[fq]
     assert remembered.base() is out and remembered.qparams[0].item() == scale
+
+
+@pytest.mark.parametrize("source", ["torch.ao", "torchao"])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fused_forward_is_the_classes_own_forward_in_every_phase(source, per_channel):
+    """``fused_forward`` (the fast path's call on small tensors, and the default weight fake-quant's when not
+    observing) reads the module dicts instead of the class forward's eleven ``__getattr__`` calls: outputs,
+    gradients and every buffer equal the class's own forward, bit for bit, through each phase in turn, for torch.ao's
+    and torchao's fused fake-quant (the FX and PT2E engines')."""
+    from qlightning.engines.base import fused_forward
+
+    if source == "torch.ao":
+        from torch.ao.quantization import fake_quantize, observer
+    else:
+        from torchao.quantization.pt2e import fake_quantize, observer
+    if per_channel:
+        ctr = fake_quantize.FusedMovingAvgObsFakeQuantize.with_args(
+            observer=observer.MovingAveragePerChannelMinMaxObserver, quant_min=-128, quant_max=127, dtype=torch.qint8,
+            qscheme=torch.per_channel_symmetric, ch_axis=0, averaging_constant=0.5)
+    else:
+        ctr = fake_quantize.FusedMovingAvgObsFakeQuantize.with_args(
+            observer=observer.MovingAverageMinMaxObserver, quant_min=0, quant_max=255, dtype=torch.quint8,
+            averaging_constant=0.01)
+    torch.manual_seed(0)
+    ours, theirs = ctr(), ctr()
+    for step, (observe, quantize) in enumerate([(1, 1), (1, 1), (0, 1), (1, 0), (0, 0), (1, 1)]):
+        for fq in (ours, theirs):
+            fq.observer_enabled[0], fq.fake_quant_enabled[0] = observe, quantize
+        x = (torch.randn(8, 3, 5, 5) * (step + 1)).requires_grad_()
+        x_ref = x.detach().clone().requires_grad_()
+        out, out_ref = fused_forward(ours, x), type(theirs).forward(theirs, x_ref)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        out_ref.backward(grad)
+        assert torch.equal(out, out_ref) and torch.equal(x.grad, x_ref.grad), step
+        for (key, a), b in zip(ours.state_dict().items(), theirs.state_dict().values()):
+            assert torch.equal(a, b), (step, key)

@@ -26,7 +26,8 @@ memory over the float step on CPU (``python -m benchmarks profile``), and what r
 number of steps; ``python -m benchmarks equivalence``, tests); 6 gives identical outputs and gradients
 equal up to the reduction order of its matrix products (identical in the tests); 5 differs by float rounding only (digits
 int8 accuracy over 3 seeds: ``python -m benchmarks accuracy``). Tensors below ``MIN_ELEMENTS``, non-CPU
-or non-float32 inputs and other observer types take torch.ao's own path.
+or non-float32 inputs and other observer types take torch.ao's own op, called through the module dicts
+(:func:`~qlightning.engines.base.fused_forward`: at batch 1 per-call Python is most of a step).
 
 Everything is done by replacing *instance* methods (``forward``, ``_forward_approximate``) of torch.ao's
 own modules: classes, buffers, state_dict keys, ``convert_fx`` / reference conversion, ``deepcopy``
@@ -44,7 +45,9 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import torch
 from torch import nn
 
-from qlightning.engines.base import centres_on_zero, dense_order, observe_min_max, straddle_zero_
+from qlightning.engines.base import (
+    centres_on_zero, dense_order, fused_fake_quant, fused_forward, observe_min_max, straddle_zero_,
+)
 from qlightning.engines.fx.ao import quiet_torch_ao
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 
@@ -228,15 +231,6 @@ _OFF = torch.zeros(1, dtype=torch.long)
 # torch.ao's, which convert_fx's pattern matching requires.
 
 
-def _fused(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor, observe: torch.Tensor, fake_quant: torch.Tensor) -> torch.Tensor:
-    obs = self._modules["activation_post_process"]
-    return torch.fused_moving_avg_obs_fake_quant(
-        x, observe, fake_quant, obs._buffers["min_val"], obs._buffers["max_val"], self._buffers["scale"],
-        self._buffers["zero_point"], obs.averaging_constant, obs.quant_min, obs.quant_max, self.ch_axis,
-        self.is_per_channel, self.is_symmetric_quant,
-    )
-
-
 def _observe(self: FusedMovingAvgObsFakeQuantize, x: torch.Tensor, relu: bool = False) -> Optional[torch.Tensor]:
     """Move the running min/max by ``x`` (``relu(x)``) exactly as the fused op does, in fewer passes; per tensor,
     returns the (min, max) pair observed."""
@@ -280,7 +274,7 @@ def _update_qparams(self: FusedMovingAvgObsFakeQuantize, ndim: int) -> tuple[tor
         dummy = torch.zeros([channels if i == self.ch_axis else 1 for i in range(max(self.ch_axis + 1, 2))])
     else:
         dummy = torch.zeros(1)
-    _fused(self, dummy, _OFF, _ON)
+    fused_fake_quant(self, dummy, _OFF, _ON)
     obs = self._modules["activation_post_process"]
     scale = self._buffers["scale"]
     if self.is_per_channel:
@@ -410,7 +404,7 @@ def _repeat_on_own_output(fq: nn.Module, X: torch.Tensor, last: _Last) -> Option
         if quantizing:
             scale, lo, hi = last.qparams
             seen = torch.mul(seen, torch.reciprocal(scale)).round_().clamp_(lo, hi).mul_(scale)
-        _fused(fq, seen, _ON, _OFF)  # observed as a pair, as observe_min_max does
+        fused_fake_quant(fq, seen, _ON, _OFF)  # observed as a pair, as observe_min_max does
         if centres_on_zero(fq):
             straddle_zero_(fq._modules["activation_post_process"])
         fq.__dict__.pop("_qlightning_cache", None)
@@ -459,7 +453,8 @@ def _fast_fake_quant(self: FusedMovingAvgObsFakeQuantize, X: torch.Tensor) -> to
                 and self._buffers["fake_quant_enabled"].item() == 1)):
         # small tensors: the fused op's single dispatch beats several vectorized ones
         self.__dict__.pop("_qlightning_cache", None)  # the op writes scale / zp without a version bump
-        out = type(self).forward(self, torch.relu(X) if relu else X)
+        X = torch.relu(X) if relu else X
+        out = fused_forward(self, X) if type(self) is FusedMovingAvgObsFakeQuantize else type(self).forward(self, X)
         _remember(self, out)
         return out
     observed: list = []
@@ -602,7 +597,7 @@ def fast_linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
             than 2 dims take torch.ao's own forward.
     """
     fq = self._modules["weight_fake_quant"]
-    weight = self._parameters["weight"]
+    weight = _parameter(self, "weight")
     relu = type(self) is not _nnqat.Linear
     if (weight.numel() < MIN_ELEMENTS or not is_fast(fq) or not torch.is_grad_enabled() or not weight.requires_grad
             or input.device.type != "cpu" or input.dtype != torch.float32 or input.dim() < 2):
@@ -635,23 +630,36 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
     Args:
         input: the conv input.
     """
-    fq = self._modules["weight_fake_quant"]
+    modules, weight, bias = self._modules, _parameter(self, "weight"), _parameter(self, "bias")
+    fq = modules["weight_fake_quant"]
     enabled = fq._buffers.get("fake_quant_enabled")  # a FakeQuantizeBase's flag (a custom weight module may have none)
     if enabled is not None and input.device.type == "cpu" and enabled.item() != 1:  # on CPU: no device wait
         observing = fq._buffers.get("observer_enabled")
         if observing is None or observing.item() == 1:
             with torch.no_grad():
-                fq(self.weight * _folding_factor(self))  # observes (the folded weight, as below); returns its input
-        return self.bn(self._conv_forward(input, self.weight, self.bias))
+                fq(weight * _folding_factor(self))  # observes (the folded weight, as below); returns its input
+        return modules["bn"](self._conv_forward(input, weight, bias))
     s = _folding_factor(self)
-    weight = _DivideKeepingResult.apply(fq(self.weight * s), s)
-    return self.bn(self._conv_forward(input, weight, self.bias))
+    folded = fq(weight * s)
+    # the custom backward keeps one weight-sized tensor less, for ~40 us of Python a step: worth it only for large
+    # weights (the same quotient; gamma's gradient differs by float rounding)
+    weight = folded / s if folded.numel() < MIN_ELEMENTS else _DivideKeepingResult.apply(folded, s)
+    return modules["bn"](self._conv_forward(input, weight, bias))
+
+
+def _parameter(module: nn.Module, name: str) -> Any:
+    """``getattr(module, name)``, read from the parameter dict where it is a plain parameter: ``nn.Module.__getattr__``
+    costs 1-2 us a lookup, ~10 per layer and step (most of a step's Python at batch 1). Pruned (``torch.nn.utils.prune``:
+    an attribute computed from ``<name>_orig``) or parametrized, it is the attribute itself."""
+    parameters = module._parameters
+    return parameters[name] if name in parameters else getattr(module, name)
 
 
 def _folding_factor(conv_bn: nn.Module) -> torch.Tensor:
     """``gamma / running_std`` of ``conv_bn``'s BatchNorm, shaped to scale its weight's output channels."""
-    scale_factor = conv_bn.bn.weight / torch.sqrt(conv_bn.bn.running_var + conv_bn.bn.eps)
-    shape = [1] * len(conv_bn.weight.shape)
+    bn = conv_bn._modules["bn"]
+    scale_factor = _parameter(bn, "weight") / torch.sqrt(bn._buffers["running_var"] + bn.eps)
+    shape = [1] * _parameter(conv_bn, "weight").dim()
     shape[0] = -1
     return scale_factor.reshape(shape)
 
