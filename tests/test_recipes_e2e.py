@@ -64,7 +64,8 @@ def assert_complete_run(out: subprocess.CompletedProcess, run_dir: Path, formats
         for fmt, art in arts.items():
             assert art["error"] is None, (module, fmt, art["error"])
             assert (run_dir / art["path"]).is_file() and art["path"].endswith(EXTENSIONS[fmt])
-            assert (run_dir / (art["path"] + ".json")).is_file()  # its manifest
+            manifest = json.loads((run_dir / (art["path"] + ".json")).read_text())
+            assert manifest["engine_notes"] == report["engine_notes"]  # what a deployer must know (PT2E: its CPUs)
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     print(f"{what}: {wall:.1f} s, formats {formats}, int8 {report['metrics']['int8']}")
 

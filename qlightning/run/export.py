@@ -269,6 +269,7 @@ def manifest(
     dynamic_batch: bool,
     qparams: dict[str, Any],
     provenance: dict[str, Any],
+    engine_notes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The sidecar JSON of one artifact: how to load it, its inputs/outputs, backend, qparams, provenance.
 
@@ -282,6 +283,8 @@ def manifest(
         dynamic_batch: whether dim 0 of the inputs is dynamic.
         qparams: scale / zero point summaries.
         provenance: what made the run.
+        engine_notes: what the engine chose for the run (:meth:`QuantEngine.notes`), e.g. the CPUs whose int8
+            kernels compute its activation range: a deployer reads them here.
     """
     args = positional_args(int8, example)
     with torch.no_grad():
@@ -316,6 +319,7 @@ def manifest(
         "outputs": [{"name": n, **_tensor_spec(o, dynamic)} for n, o in zip(out_names, outputs)],
         "dynamic_batch": dynamic,
         "qparams": qparams,
+        "engine_notes": list(engine_notes),
         "details": artifact.info,
         "provenance": {
             "recipe": provenance.get("recipe"),  # name, origin, path, sha256 (qlightning train)
@@ -430,6 +434,7 @@ def export_module(
                 dynamic_batch=dynamic_batch,
                 qparams=qparams,
                 provenance=provenance,
+                engine_notes=session.engine_notes,
             )
             art.manifest = write_manifest(art.path, data)  # type: ignore[arg-type]
         artifacts.append(art)

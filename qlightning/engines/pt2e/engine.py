@@ -965,23 +965,31 @@ class Pt2eEngine(QuantEngine):
         return quantizer
 
     def notes(self, spec: QuantSpec) -> list[tuple[bool, str]]:
-        """The activation range X86InductorQuantizer quantizes to, where this CPU makes it matter (no VNNI): 7 bits
-        is said (``auto`` chose it), 8 bits is warned of (int8 will saturate where fake-quant did not).
+        """The activation range X86InductorQuantizer quantizes to, and what it means for the CPUs the int8 model runs
+        on. Without VNNI here: 7 bits is said (``auto`` chose it), 8 bits is warned of (int8 will saturate where
+        fake-quant did not). With VNNI here, 8 bits is said with where it will not compute (x86 CPUs without VNNI or
+        AMX): the gates run on this CPU and cannot see a deploy CPU's kernels.
 
         Args:
             spec: the resolved spec.
         """
-        if not u8s8_pair_sums_saturate():
-            return []
         quantizer = spec.qconfig_mapping
         if not isinstance(quantizer, self.ao.Quantizer):
             quantizer = self._default_quantizer(spec)
         activation = getattr(getattr(quantizer, "global_config", None), "input_activation", None)
         if not isinstance(quantizer, self.ao.X86InductorQuantizer) or activation is None or activation.dtype != torch.uint8:
             return []
-        why = ("this CPU has no VNNI, and its x86 int8 kernels add pairs of u8 x s8 products in int16, which "
-               "saturate with 8-bit activations")
-        if (activation.quant_max or 255) <= 127:
+        eight_bits = (activation.quant_max or 255) > 127
+        adds = "add pairs of u8 x s8 products in int16, which saturate with 8-bit activations"
+        if not u8s8_pair_sums_saturate():
+            if not eight_bits:
+                return []
+            return [(False, "pt2e: activations quantized over 0..255 (X86InductorQuantizer's default; this CPU has "
+                            "VNNI, which computes them as trained): the int8 model parts from its fake-quant model on "
+                            f"x86 CPUs without VNNI or AMX (AVX2 only), whose int8 kernels {adds}; to deploy there, "
+                            "train with qconfig_mapping: {global: reduce_range} (7-bit activations)")]
+        why = f"this CPU has no VNNI, and its x86 int8 kernels {adds}"
+        if not eight_bits:
             return [(False, f"pt2e: activations quantized over 0..127 (X86InductorQuantizer reduce_range): {why}; "
                             "the int8 model computes the same on every x86 CPU")]
         return [(True, f"pt2e: activations quantized over 0..255 on a CPU where int8 cannot compute them: {why}, so the "
