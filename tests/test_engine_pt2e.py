@@ -420,7 +420,7 @@ def test_default_activation_range_follows_what_this_cpus_int8_kernels_compute(mo
     model will not compute (x86 CPUs without VNNI), which no gate on this CPU can see."""
     import qlightning.engines.pt2e.engine as pt2e
 
-    monkeypatch.setattr(pt2e, "u8s8_pair_sums_saturate", lambda: saturates)
+    monkeypatch.setattr(pt2e, "x86_u8s8_pair_sums", lambda: "int16" if saturates else "int32")
     expected_max = 127 if saturates else 255
 
     def activation_max(qat) -> int:
@@ -443,6 +443,9 @@ def test_default_activation_range_follows_what_this_cpus_int8_kernels_compute(mo
     assert "qconfig_mapping: auto" in notes[0][1] if saturates else "reduce_range" in notes[0][1]
     seven = QuantizationAwareTraining(engine="pt2e", qconfig_mapping={"global": "reduce_range"})
     assert [w for w, _ in get_engine("pt2e").notes(seven.spec)] == ([False] if saturates else [])
+    monkeypatch.setattr(pt2e, "x86_u8s8_pair_sums", lambda: None)  # not x86 (or flags unread): nothing to say
+    assert get_engine("pt2e").notes(QuantizationAwareTraining(engine="pt2e").spec) == []
+    monkeypatch.setattr(pt2e, "x86_u8s8_pair_sums", lambda: "int16" if saturates else "int32")
     # the prepared graph quantizes activations to that range, and the callback records the note
     lm, qat = DigitsClassifier(), QuantizationAwareTraining(engine="pt2e")
     qat.prepare(lm)

@@ -553,6 +553,7 @@ def test_fused_forward_is_the_classes_own_forward_in_every_phase(source, per_cha
     if source == "torch.ao":
         from torch.ao.quantization import fake_quantize, observer
     else:
+        pytest.importorskip("torchao.quantization.pt2e", reason="the pt2e extra")
         from torchao.quantization.pt2e import fake_quantize, observer
     if per_channel:
         ctr = fake_quantize.FusedMovingAvgObsFakeQuantize.with_args(

@@ -26,23 +26,28 @@ BACKENDS = ("x86", "fbgemm", "qnnpack", "onednn")
 
 
 @functools.lru_cache(maxsize=None)  # the CPU does not change under a process; the fallback reads a file
-def u8s8_pair_sums_saturate() -> bool:
-    """Whether this CPU's x86 int8 kernels (oneDNN, fbgemm) add pairs of u8 x s8 products in int16 with saturation.
+def x86_u8s8_pair_sums() -> Optional[str]:
+    """What this CPU's x86 int8 kernels (oneDNN, fbgemm) add pairs of u8 x s8 products in: ``"int32"`` with VNNI
+    (``vpdpbusd``: AVX512-VNNI, AVX-VNNI) or AMX, ``"int16"`` without (AVX2's ``vpmaddubsw``), ``None`` when this is
+    not an x86 CPU or its flags cannot be read.
 
-    Without VNNI (``vpdpbusd``: AVX512-VNNI, AVX-VNNI) or AMX, they multiply with AVX2's ``vpmaddubsw``, whose int16
-    pair sums saturate beyond 32767: 8-bit activations (0..255) times 8-bit weights (up to 127) reach 64770, so the
+    ``"int16"`` saturates beyond 32767: 8-bit activations (0..255) times 8-bit weights (up to 127) reach 64770, so the
     int8 model stops computing what fake-quant trained (PT2E digits CNN through inductor: 14.8 dB from its q/dq
-    reference on an AMD EPYC with AVX2; 68.5 dB with 7-bit activations). Not x86: ``False``.
+    reference on an AMD EPYC with AVX2; 68.5 dB with 7-bit activations).
     """
     vnni = ("avx512_vnni", "avx_vnni", "amx_int8")
     if hasattr(torch.cpu, "get_capabilities"):  # torch 2.13 has it; older releases may not
         caps = torch.cpu.get_capabilities()
-        return caps.get("architecture") in ("x86_64", "x86") and not any(caps.get(flag, False) for flag in vnni)
+        if caps.get("architecture") not in ("x86_64", "x86"):
+            return None
+        return "int32" if any(caps.get(flag, False) for flag in vnni) else "int16"
     try:  # older torch: the kernel's own flags (Linux)
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     except (OSError, StopIteration):
-        return False
-    return "avx2" in flags and not any(flag in flags for flag in vnni)
+        return None
+    if any(flag in flags for flag in vnni):
+        return "int32"
+    return "int16" if "avx2" in flags else None
 
 
 @dataclass

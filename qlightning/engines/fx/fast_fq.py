@@ -606,9 +606,9 @@ def fast_linear_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     if qparams is UNOBSERVED:
         return type(self).forward(self, input)  # torch.ao's own path
     if qparams is FAKE_QUANT_OFF:
-        out = torch.nn.functional.linear(input, weight, self.bias)
+        out = torch.nn.functional.linear(input, weight, _parameter(self, "bias"))
     else:
-        out = _LinearRecomputingWeightFakeQuant.apply(input, weight, self.bias, *qparams)
+        out = _LinearRecomputingWeightFakeQuant.apply(input, weight, _parameter(self, "bias"), *qparams)
     return torch.relu(out) if relu else out
 
 
@@ -637,9 +637,9 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
         observing = fq._buffers.get("observer_enabled")
         if observing is None or observing.item() == 1:
             with torch.no_grad():
-                fq(weight * _folding_factor(self))  # observes (the folded weight, as below); returns its input
+                fq(weight * _folding_factor(self, weight.dim()))  # observes (the folded weight, as below); returns its input
         return modules["bn"](self._conv_forward(input, weight, bias))
-    s = _folding_factor(self)
+    s = _folding_factor(self, weight.dim())
     folded = fq(weight * s)
     # the custom backward keeps one weight-sized tensor less, for ~40 us of Python a step: worth it only for large
     # weights (the same quotient; gamma's gradient differs by float rounding)
@@ -655,11 +655,12 @@ def _parameter(module: nn.Module, name: str) -> Any:
     return parameters[name] if name in parameters else getattr(module, name)
 
 
-def _folding_factor(conv_bn: nn.Module) -> torch.Tensor:
-    """``gamma / running_std`` of ``conv_bn``'s BatchNorm, shaped to scale its weight's output channels."""
+def _folding_factor(conv_bn: nn.Module, ndim: int) -> torch.Tensor:
+    """``gamma / running_std`` of ``conv_bn``'s BatchNorm, shaped to scale its ``ndim``-dimensional weight's output
+    channels."""
     bn = conv_bn._modules["bn"]
     scale_factor = _parameter(bn, "weight") / torch.sqrt(bn._buffers["running_var"] + bn.eps)
-    shape = [1] * _parameter(conv_bn, "weight").dim()
+    shape = [1] * ndim
     shape[0] = -1
     return scale_factor.reshape(shape)
 

@@ -46,7 +46,7 @@ from torch import nn
 from qlightning.engines.base import (
     Inputs, QuantEngine, QuantSpec, ZeroCenteredWeightRange, check_batch_norm_gammas, current_range_weight_ctr,
     keeps_last_observation, lean_float_phase, register_plain_flag_setters, set_flag, settle_fake_quant_state,
-    trained_qparams, u8s8_pair_sums_saturate,
+    trained_qparams, x86_u8s8_pair_sums,
 )
 from qlightning.engines.names import plain, resolve_reference
 from qlightning.core.quiet import quiet
@@ -60,10 +60,10 @@ _AUTO = "auto"  # what a spec gets without a qconfig_mapping.global: see auto_va
 
 def auto_variant() -> str:
     """The x86 variant ``auto`` stands for on this CPU: ``reduce_range`` (activations over 0..127) where the u8 x s8
-    kernels' int16 pair sums saturate (:func:`~qlightning.engines.base.u8s8_pair_sums_saturate`: no VNNI), else
+    kernels' int16 pair sums saturate (:func:`~qlightning.engines.base.x86_u8s8_pair_sums`: no VNNI), else
     ``default`` (X86InductorQuantizer's 8-bit activations, for the VNNI CPUs it was written for). torch.ao's own x86
     QAT qconfig (the FX engine's) reduces the range on every CPU."""
-    return "reduce_range" if u8s8_pair_sums_saturate() else "default"
+    return "reduce_range" if x86_u8s8_pair_sums() == "int16" else "default"
 
 
 _STATE_KEY = "qlightning_pt2e"  # in GraphModule.meta (deep-copied with the module)
@@ -981,19 +981,20 @@ class Pt2eEngine(QuantEngine):
             return []
         eight_bits = (activation.quant_max or 255) > 127
         adds = "add pairs of u8 x s8 products in int16, which saturate with 8-bit activations"
-        if not u8s8_pair_sums_saturate():
-            if not eight_bits:
+        pair_sums = x86_u8s8_pair_sums()
+        if pair_sums != "int16":
+            if not eight_bits or pair_sums is None:  # (not x86: nothing measured to say)
                 return []
             return [(False, "pt2e: activations quantized over 0..255 (X86InductorQuantizer's default; this CPU has "
-                            "VNNI, which computes them as trained): the int8 model parts from its fake-quant model on "
-                            f"x86 CPUs without VNNI or AMX (AVX2 only), whose int8 kernels {adds}; to deploy there, "
-                            "train with qconfig_mapping: {global: reduce_range} (7-bit activations)")]
+                            "VNNI, which computes them exactly): the int8 model parts from the model it was made from "
+                            f"on x86 CPUs without VNNI or AMX (AVX2 only), whose int8 kernels {adds}; to deploy there, "
+                            "quantize with qconfig_mapping: {global: reduce_range} (7-bit activations)")]
         why = f"this CPU has no VNNI, and its x86 int8 kernels {adds}"
         if not eight_bits:
             return [(False, f"pt2e: activations quantized over 0..127 (X86InductorQuantizer reduce_range): {why}; "
                             "the int8 model computes the same on every x86 CPU")]
         return [(True, f"pt2e: activations quantized over 0..255 on a CPU where int8 cannot compute them: {why}, so the "
-                       "int8 model will part from the fake-quant model that trained; use qconfig_mapping: auto "
+                       "int8 model will part from the model it was made from; use qconfig_mapping: auto "
                        "(7 bits here) or reduce_range, or convert on a CPU with VNNI")]
 
     # ------------------------------------------------------------------ prepare
