@@ -475,9 +475,9 @@ def float_phase_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
         X: the input.
     """
     if (X.device.type != "cpu" or X.dtype != torch.float32 or X.numel() == 0 or self.is_per_channel
-            or centres_on_zero(self) or int(self.fake_quant_enabled[0]) == 1):  # (a flag read on CPU only: no device wait)
+            or centres_on_zero(self) or self._buffers["fake_quant_enabled"].item() == 1):  # (read on CPU only: no device wait)
         return type(self).forward(self, X)
-    if int(self.observer_enabled[0]) == 1:
+    if self._buffers["observer_enabled"].item() == 1:
         with torch.no_grad():
             observe_min_max(self, X.detach())
     return X

@@ -973,6 +973,9 @@ class Pt2eEngine(QuantEngine):
         Args:
             spec: the resolved spec.
         """
+        pair_sums = x86_u8s8_pair_sums()
+        if pair_sums is None:  # not x86: nothing measured to say (and no quantizer to build for it)
+            return []
         quantizer = spec.qconfig_mapping
         if not isinstance(quantizer, self.ao.Quantizer):
             quantizer = self._default_quantizer(spec)
@@ -981,9 +984,8 @@ class Pt2eEngine(QuantEngine):
             return []
         eight_bits = (activation.quant_max or 255) > 127
         adds = "add pairs of u8 x s8 products in int16, which saturate with 8-bit activations"
-        pair_sums = x86_u8s8_pair_sums()
         if pair_sums != "int16":
-            if not eight_bits or pair_sums is None:  # (not x86: nothing measured to say)
+            if not eight_bits:
                 return []
             return [(False, "pt2e: activations quantized over 0..255 (X86InductorQuantizer's default; this CPU has "
                             "VNNI, which computes them exactly): the int8 model parts from the model it was made from "
