@@ -50,7 +50,8 @@ from qlightning.core.metrics import median_ms, sqnr_db, top1_agreement
 from qlightning.core.quiet import quiet
 from qlightning.engines import ENGINES, QuantEngine, get_engine
 from qlightning.errors import EngineUnavailableError, QLightningError
-from qlightning.quantize.qdq import clamps_before_quantize, drop_identity_requantizes, quiet_export, qdq_program, write_onnx
+from qlightning.quantize.qdq import (clamps_before_quantize, explicit_activation_clamps, quiet_export, qdq_program,
+                                    write_onnx)
 
 #: the lowering that keeps the engine's own int8 module, whichever the engine (named after FX, the first one)
 ENGINE_MODULE = "fx"
@@ -273,7 +274,13 @@ def _build_inductor(ctx: LoweringContext) -> nn.Module:
     else:
         graph = copy.deepcopy(ctx.int8)
         if isinstance(graph, torch.fx.GraphModule):
-            drop_identity_requantizes(graph)  # its max pools on the codes (inductor's kernel, not quantized::max_pool2d)
+            # inductor fuses dq -> conv -> q into one oneDNN conv with a uint8 output over 0..255, whatever the
+            # quantize's range: a reduce_range (0..127) quantize, the PT2E default on CPUs without VNNI, gave codes
+            # up to 255, which then saturated the next conv's int16 pair sums (resnet50 PT2E on an AVX2 CPU:
+            # inductor 9.9 dB from its q/dq graph). An explicit clamp before each narrow quantize keeps the trained
+            # range (the FX route's own treatment); its max pools then run on the codes (inductor's kernel).
+            explicit_activation_clamps(graph)
+            clamps_before_quantize(graph)
     return attach_source(InductorModule(graph), ctx.int8)  # compiles on its first call (choose_lowering times it)
 
 

@@ -19,6 +19,11 @@ from tests.zoo.harness import ENGINES, KNOWN, MODELS, TARGET_SQNR_DB, TARGET_TOP
 
 pytestmark = pytest.mark.slow
 
+#: rows whose inductor candidate is compiled and checked against the int8 model too (a compile each: only where a
+#: defect was found). resnet50 PT2E with 7-bit activations (the default on CPUs without VNNI): inductor's conv outputs
+#: reached codes up to 255 past quantizes of range 0..127, 9.9 dB from the int8 model on an AMD EPYC (AVX2).
+INDUCTOR_PARITY = {("resnet50", "pt2e"): 30.0}
+
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("model", list(MODELS))
@@ -29,10 +34,13 @@ def test_zoo_model_through_engine(model: str, engine: str) -> None:
         pytest.skip(f"{model} needs {' and '.join(packages)}, not importable beside torch {torch.__version__} "
                     "(the zoo runs in .venv214: torch 2.14.1 + torchvision 0.29.1 + timm, see .ci/run)")
     torch.set_num_threads(2)
-    result = run_case(model, engine)
+    result = run_case(model, engine, inductor_parity=(model, engine) in INDUCTOR_PARITY)
     summary = (f"{model} x {engine}: {result.status}, SQNR {result.sqnr_db} dB, top-1 agreement "
-               f"{result.top1_agreement}, fit {result.fit_s} s; {result.message}")
+               f"{result.top1_agreement}, fit {result.fit_s} s; inductor vs int8 {result.inductor_vs_int8_db} dB; "
+               f"{result.message}")
     print(summary)
+    if (model, engine) in INDUCTOR_PARITY and not result.message:
+        assert result.inductor_vs_int8_db >= INDUCTOR_PARITY[model, engine], summary
     known = KNOWN.get((model, engine))
     if result.status == "works":  # meets the targets (a known row that starts to meet them is fine too)
         assert result.sqnr_db >= TARGET_SQNR_DB and result.top1_agreement >= TARGET_TOP1, summary
