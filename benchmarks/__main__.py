@@ -34,6 +34,7 @@ Examples::
     python -m benchmarks options --model transformer --off fast_linear   # A/B of engine options
     python -m benchmarks compile                 # the compiled QAT path (engine_options.compile) vs eager and compiled float
     python -m benchmarks fit                     # wall time of whole Trainer.fit runs: float, QAT defaults, compile=on
+    python -m benchmarks peers --out benchmarks/results/peers   # NNCF, Brevitas, ModelOpt, torchao PT2E beside qlightning (bench extra)
     PYTHONPATH=. .venv214/bin/python -m benchmarks int8 --models shufflenet_v2_x0_5 --threads 2   # zoo int8 latency A/B
 """
 
@@ -418,10 +419,28 @@ def run_steps(args: argparse.Namespace) -> None:
     _log(f"wrote {path}")
 
 
+def run_peers(args: argparse.Namespace) -> None:
+    """Other QAT libraries' train step beside qlightning's and torch.ao's (``benchmarks/peers.py``); writes
+    results/peers-<time>.json (``--out``), whose figures the README's table shows."""
+    from benchmarks import peers
+
+    path = Path(args.out).with_suffix(".json") if args.out else RESULTS / f"peers-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    if path.exists() and not args.overwrite:
+        raise SystemExit(f"{path} exists; --overwrite to replace it")
+    started = time.perf_counter()
+    out = {"machine": machine(args), **peers.run(args.models.split(",") if args.models else list(MODEL_NAMES),
+                                                 args.repeats or None, args.clock)}
+    out["wall_s"] = round(time.perf_counter() - started, 1)
+    for name, figures in out["models"].items():
+        print(json.dumps({name: {"over_float": figures["over_float"], "errors": figures["errors"]}}), flush=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    _log(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy", "options", "readme", "compile", "fit", "int8", "steps"))
+    parser.add_argument("command", nargs="?", default="table", choices=("table", "scaling", "profile", "equivalence", "accuracy", "options", "readme", "compile", "fit", "int8", "steps", "peers"))
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--repeats", type=int, default=0, help="repeats per timing (default: per model and mode)")
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer candidates (< ~3 min on 2 cores)")
@@ -473,6 +492,8 @@ def main(argv: list[str] | None = None) -> None:
         return run_int8(args)
     if args.command == "steps":
         return run_steps(args)
+    if args.command == "peers":
+        return run_peers(args)
     if args.command == "fit":
         from benchmarks import suites
 

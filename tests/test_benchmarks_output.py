@@ -64,8 +64,10 @@ def test_readme_table_is_generated_from_the_committed_results():
     results = json.loads(readme.RESULTS_FILE.read_text())
     compiled = json.loads(readme.COMPILE_FILE.read_text())
     steps = json.loads(readme.STEPS_FILE.read_text())
-    sources = "benchmarks/results/latest.json, benchmarks/results/compile.json and benchmarks/results/steps.json"
-    assert readme.readme_block(text) == readme.block(results, sources, compiled, steps), (
+    peers = json.loads(readme.PEERS_FILE.read_text())
+    sources = ("benchmarks/results/latest.json, benchmarks/results/compile.json, benchmarks/results/steps.json and "
+               "benchmarks/results/peers.json")
+    assert readme.readme_block(text) == readme.block(results, sources, compiled, steps, peers), (
         f"README's benchmarks table differs from {sources}: run `python -m benchmarks readme --write`"
     )
 
@@ -84,8 +86,10 @@ def test_readme_table_marks_missing_figures(tmp_path):
     assert readme_file.read_text().startswith("intro\n\n") and readme_file.read_text().endswith("\n\nafter\n")
     assert readme.readme_block(readme_file.read_text()) == readme.block(
         json.loads(readme.RESULTS_FILE.read_text()),
-        "benchmarks/results/latest.json, benchmarks/results/compile.json and benchmarks/results/steps.json",
-        json.loads(readme.COMPILE_FILE.read_text()), json.loads(readme.STEPS_FILE.read_text()))
+        "benchmarks/results/latest.json, benchmarks/results/compile.json, benchmarks/results/steps.json and "
+        "benchmarks/results/peers.json",
+        json.loads(readme.COMPILE_FILE.read_text()), json.loads(readme.STEPS_FILE.read_text()),
+        json.loads(readme.PEERS_FILE.read_text()))
     compiled = json.loads(readme.COMPILE_FILE.read_text())
     del compiled["models"]["transformer"]
     cold = [" + ".join(f"{compiled['models'][m]['first_two_steps_s'][k]:.0f}" for k in
@@ -105,3 +109,41 @@ def test_readme_steps_rows_come_from_the_steps_file_and_mark_a_missing_model():
     row = next(r for r in readme.table(results, None, steps).splitlines() if r.startswith(label))
     assert row.endswith("| n/a |") and row.count(" / ") == 3 * (len(batches) - 1), row
     assert label not in readme.table(results)  # no steps file: no rows
+
+
+def test_peers_harness_times_every_variant_or_names_why_not(monkeypatch):
+    """``python -m benchmarks peers`` on the digits CNN, 2 repeats: every installed peer gets a ratio and a description
+    of what its step does, a missing one says how to install it, and a peer that fails on a model is recorded, not
+    raised (a builder that raises stands in for a peer that cannot take the model)."""
+    from benchmarks import peers
+    from benchmarks.models import model_spec
+
+    def cannot(model, x, calib):
+        raise RuntimeError("cannot trace this model\nsecond line")
+
+    monkeypatch.setitem(peers.BUILDERS, "Brevitas", cannot)
+    monkeypatch.setattr(peers, "version", lambda peer: None if peer == "NNCF" else "1.0")
+    monkeypatch.setitem(peers.BUILDERS, "ModelOpt", lambda model, x, calib: model)  # no fake-quant at all
+    figures = peers.peer_step_ratios(model_spec("digits_cnn"), repeats=2, clock="cpu")
+    assert figures["errors"]["NNCF"].startswith("not installed (pip install nncf")
+    assert figures["errors"]["Brevitas"] == "RuntimeError: cannot trace this model"
+    assert set(figures["over_float"]) == {"torch.ao FX", "qlightning FX", "qlightning FX, frozen",
+                                          "torchao PT2E by hand", "ModelOpt"}
+    assert all(ratio > 0 for ratio in figures["over_float"].values())
+    described = figures["described"]
+    assert described["ModelOpt"] == {"quantizer_tensors_moved": [], "quantizer_parameters_trained": []}  # float itself
+    for name in ("torch.ao FX", "qlightning FX", "torchao PT2E by hand"):
+        assert {"min_val", "max_val"} <= set(described[name]["quantizer_tensors_moved"]), name  # observers move
+    assert described["qlightning FX, frozen"]["quantizer_tensors_moved"] == []
+
+
+def test_readme_peers_rows_come_from_the_peers_file():
+    results = json.loads(readme.RESULTS_FILE.read_text())
+    peers = json.loads(readme.PEERS_FILE.read_text())
+    digits = peers["models"]["digits_cnn"]
+    row = next(r for r in readme.table(results, None, None, peers).splitlines() if r.startswith("| ... NNCF |"))
+    assert row.startswith(f"| ... NNCF | {digits['over_float']['NNCF']:.2f}x |"), row
+    digits["errors"]["NNCF"] = "RuntimeError: x"
+    row = next(r for r in readme.table(results, None, None, peers).splitlines() if r.startswith("| ... NNCF |"))
+    assert row.startswith("| ... NNCF | fails |"), row
+    assert "NNCF" not in readme.table(results)  # no peers file: no rows
