@@ -4,7 +4,8 @@ Each peer is set up as its own documentation shows for quantization-aware traini
 activations, calibrated on the same 4 batches, then trained (forward + cross-entropy + backward + Adam, as
 :func:`benchmarks.suites.train_step`). A peer that is not installed, or that fails on a model, is recorded with
 its error instead of a figure. The peers differ in what their training step computes; ``SEMANTICS`` says how
-(:func:`describe` records what moves in a training step; the rest was read from each library's modules), so that a ratio is read beside it.
+(:func:`describe` records what moves in a training step; the rest was read from each library's modules), so that
+a ratio is read beside it.
 
 Install them with the ``bench`` extra (``pip install -e ".[all,bench]"``); NNCF compiles a C++ extension on
 its first use (about a minute, cached under ``~/.cache/torch_extensions``).
@@ -30,7 +31,6 @@ SEMANTICS = {
     "torch.ao FX": "conv-bn fused with BN folded into the weight each step; per-channel weights; observers update every step",
     "qlightning FX": "as torch.ao FX (the default's observing phase)",
     "qlightning FX, frozen": "as torch.ao FX with observers and BatchNorm statistics frozen (the default's last 15 %)",
-    "qlightning PT2E": "torchao's PT2E QAT graph (conv-bn folded each step, observers update)",
     "torchao PT2E by hand": "torch.export + prepare_qat_pt2e with X86InductorQuantizer's QAT config",
     "NNCF": "nncf.quantize: BatchNorm kept apart from the conv (not folded); quantizer scales are trained parameters",
     "Brevitas": "brevitas.graph quantize after preprocess_for_quantize, which merges BatchNorm into the conv first "
@@ -67,7 +67,8 @@ def nncf_qat(model: nn.Module, x: torch.Tensor, calib: list[torch.Tensor]) -> nn
     import nncf
 
     os.environ.setdefault("NNCF_EXTENSION_LOAD_TIMEOUT", "0")  # its first use compiles; a busy 2-core CPU took 75 s
-    return nncf.quantize(model.eval(), nncf.Dataset(calib), subset_size=sum(len(b) for b in calib)).train()
+    # subset_size counts the dataset's items, here batches
+    return nncf.quantize(model.eval(), nncf.Dataset(calib), subset_size=len(calib)).train()
 
 
 def brevitas_qat(model: nn.Module, x: torch.Tensor, calib: list[torch.Tensor]) -> nn.Module:
