@@ -582,22 +582,6 @@ def _codes_of(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     return graph.call_function(node.target, (_codes_of(graph, node.args[0]), *node.args[1:]), dict(node.kwargs))
 
 
-def drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
-    """:func:`_drop_identity_requantizes` on a graph of its own (a PT2E model's q/dq graph), dead nodes then removed.
-
-    Args:
-        gm: the q/dq graph, changed in place (recompiled if anything changed).
-
-    Returns:
-        How many pairs, quantizes and clamps were removed.
-    """
-    changed = _drop_identity_requantizes(gm)
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return changed
-
-
 def _drop_identity_requantizes(gm: torch.fx.GraphModule) -> int:
     """Quantize -> dequantize pairs and clamps that give back their input exactly, removed.
 
