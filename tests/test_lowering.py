@@ -519,8 +519,11 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 from qlightning import Inputs, Phase, QuantSpec, get_engine
 from qlightning.examples.digits import DigitsCNN, DigitsDataModule
+from qlightning.quantize import lowering
 from qlightning.quantize.lowering import BUILDERS, LoweringContext
 from qlightning.run.parity import sqnr_db
+# the kernels as they fuse without float_round_trips (tested on its own): on AVX2 a conv feeding a pool writes float32
+lowering.uint8_loads_are_slow = lambda: False
 
 
 class DigitsReLU6(nn.Module):  # MobileNetV2's conv-bn-ReLU6, which torch.ao does not fuse into the conv
@@ -802,6 +805,54 @@ def test_clamp_chain_after_a_requantized_gelu_becomes_a_narrow_requantize_with_t
     with torch.no_grad():
         for batch in (x[:64], 8.0 * x[64:128], -x[128:192], 0.5 * x[192:256]):
             assert torch.equal(chain(batch), fused(batch))
+
+
+def _float_readers_of_codes(gm: torch.fx.GraphModule) -> list[str]:
+    """Nodes other than int8 convs, linears and max pools that read a dequantized activation (constants, such as
+    the layer scale's int8 copy, inductor folds to float at compile time)."""
+    from qlightning.quantize.qdq import _CODE_READERS
+
+    dequantize = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+    return [f"{u.name} ({u.target})" for n in gm.graph.nodes if n.target is dequantize and n.args[0].op != "get_attr"
+            for u in n.users if u.target not in _CODE_READERS]
+
+
+def test_float_ops_read_the_rounded_float_value_not_the_codes_with_the_same_numbers():
+    """On AVX2, inductor's CPU kernels load uint8 eight at a time through a 32-byte buffer: convnext_atto FX spent
+    twice PT2E's time in its GELU and LayerNorm kernels, which read the convs' uint8 outputs. Where a dequantize feeds
+    float ops (LayerNorm, GELU, the layer scale, the residual add), they now get the same rounding done in float32
+    (convnext_atto FX under inductor at batch 32: 18.2 -> 12.7 ms, the same outputs): bit for bit the q/dq graph's
+    numbers, while every int8 conv and linear still reads dequantized codes (inductor's int8 kernels)."""
+    from qlightning.quantize.qdq import clamps_before_quantize, float_round_trips
+
+    chain, fused, x = _qdq_graphs_of(DigitsConvNeXtDropout(), calibration_scale=0.25,
+                                     after_calibration=lambda prepared: prepared.norm.weight.mul_(4.0))
+    clamps_before_quantize(fused)
+    assert _float_readers_of_codes(fused), "the q/dq graph's float ops read dequantized codes"
+    assert float_round_trips(fused) >= 4  # the convs' outputs into LayerNorm, GELU, the scale; the residual add
+    assert _float_readers_of_codes(fused) == []
+    dequantize = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+    int8_ops = [n for n in fused.graph.nodes if n.target in (torch.ops.aten.conv2d.default, torch.ops.aten.linear.default)]
+    assert len(int8_ops) == 5 and all(n.args[0].target is dequantize for n in int8_ops)
+    with torch.no_grad():
+        for batch in (x[:64], 8.0 * x[64:128], -x[128:192], 0.5 * x[192:256]):
+            assert torch.equal(chain(batch), fused(batch))
+
+
+@pytest.mark.parametrize("slow_loads", [True, False])
+def test_inductor_candidate_rounds_in_float_only_where_uint8_loads_are_slow(monkeypatch, slow_loads):
+    """The inductor candidate gets :func:`float_round_trips` on CPUs without AVX-512 (where the uint8 loads are
+    slow), and the graph as it was elsewhere; its graph computes the engine module's q/dq graph either way."""
+    from qlightning.quantize import lowering
+    from qlightning.quantize.lowering import LoweringContext, _build_inductor
+
+    chain, _, x = _qdq_graphs_of(DigitsConvNeXt(), calibration_scale=0.25)
+    monkeypatch.setattr(lowering, "uint8_loads_are_slow", lambda: slow_loads)
+    graph = _build_inductor(LoweringContext(chain, chain, Inputs((x[:32],)), qdq_module=chain)).graph  # not called: no compile
+    assert (_float_readers_of_codes(graph) == []) == slow_loads
+    with torch.no_grad():
+        for batch in (x[:64], 8.0 * x[64:128]):
+            assert torch.equal(chain(batch), graph(batch))
 
 
 class DigitsShuffle(nn.Module):

@@ -50,8 +50,8 @@ from qlightning.core.metrics import median_ms, sqnr_db, top1_agreement
 from qlightning.core.quiet import quiet
 from qlightning.engines import ENGINES, QuantEngine, get_engine
 from qlightning.errors import EngineUnavailableError, QLightningError
-from qlightning.quantize.qdq import (clamps_before_quantize, explicit_activation_clamps, quiet_export, qdq_program,
-                                    write_onnx)
+from qlightning.quantize.qdq import (clamps_before_quantize, explicit_activation_clamps, float_round_trips,
+                                    quiet_export, qdq_program, uint8_loads_are_slow, write_onnx)
 
 #: the lowering that keeps the engine's own int8 module, whichever the engine (named after FX, the first one)
 ENGINE_MODULE = "fx"
@@ -281,6 +281,8 @@ def _build_inductor(ctx: LoweringContext) -> nn.Module:
             # range (the FX route's own treatment); its max pools then run on the codes (inductor's kernel).
             explicit_activation_clamps(graph)
             clamps_before_quantize(graph)
+    if uint8_loads_are_slow():
+        float_round_trips(graph)  # float ops read float32, not codes they would load 8 at a time through a buffer
     return attach_source(InductorModule(graph), ctx.int8)  # compiles on its first call (choose_lowering times it)
 
 
