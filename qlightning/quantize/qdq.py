@@ -678,26 +678,19 @@ def uint8_loads_are_slow() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT")
 
 
-# ops that move codes without changing them: a round trip commutes with them
-_SHAPE_OPS = (torch.ops.aten.permute.default, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
-              torch.ops.aten._unsafe_view.default, torch.ops.aten.transpose.int, torch.ops.aten.flatten.using_ints,
-              torch.ops.aten.contiguous.default, torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default,
-              torch.ops.aten.clone.default)
-
-
 def float_round_trips(gm: torch.fx.GraphModule) -> int:
     """A ``quantize -> dequantize`` whose value feeds float ops -> the same rounding done in float32; returns how
     many changed.
 
     ``dequantize(quantize(x))`` becomes ``(clamp(round(x * (1 / s)) + zp, qmin, qmax) - zp) * s``: the formula of
     ``quantized_decomposed``'s two ops, so the same numbers (bit for bit, eagerly), but the codes are never stored.
-    Shape ops between the two (a permute, a reshape) are applied to the float value instead.
+    Data movement between the two (a permute, a reshape) is applied to the float value instead.
     Why: inductor's CPU kernels step through uint8 eight values at a time (one AVX2 float vector), and on AVX2
     ``Vectorized<uint8_t>::loadu(ptr, 8)`` copies them through a 32-byte buffer (``vec256_int.h``; AVX-512 has a
     fast path for its 16). A ``dequantize -> GELU -> quantize`` kernel over 327,680 values took 931 us from uint8
     and 340 us from float32, ``dequantize -> mul -> quantize`` 522 us against 145 us (torch 2.14.1, 2 threads, an
     AMD EPYC with AVX2). The producer (a oneDNN conv, usually) then writes float32 and the consumer's kernel
-    rounds: convnext_atto FX under inductor at batch 32, 18.2 -> 12.7 ms, the same outputs.
+    rounds: convnext_atto FX under inductor at batch 32, 17.6 -> 10.9 ms, the same outputs.
     Consumers that inductor runs on the codes (:data:`_CODE_READERS`: int8 convs and linears, max pools) keep
     the dequantize. For inductor on CPUs where :func:`uint8_loads_are_slow` only.
 
@@ -711,7 +704,7 @@ def float_round_trips(gm: torch.fx.GraphModule) -> int:
         if dq.op != "call_function" or dq.target is not qd.dequantize_per_tensor.default:
             continue
         shapes, q = [], dq.args[0]
-        while isinstance(q, torch.fx.Node) and q.target in _SHAPE_OPS:
+        while isinstance(q, torch.fx.Node) and q.target in _DATA_MOVEMENT:  # a round trip commutes with them
             shapes.append(q)
             q = q.args[0]
         if not (isinstance(q, torch.fx.Node) and q.target is qd.quantize_per_tensor.default):
