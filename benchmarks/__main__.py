@@ -446,6 +446,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller models and fewer candidates (< ~3 min on 2 cores)")
     parser.add_argument("--clock", default="cpu", choices=("cpu", "wall"), help="thread CPU time (default) or wall time")
     parser.add_argument("--epochs", default="", help="fit: comma-separated fit lengths in epochs (default 3,10,30)")
+    parser.add_argument("--process", default="fresh", choices=("fresh", "shared"),
+                        help="fit: each fit in a new process, as a user's run (default), or all in this one")
     parser.add_argument("--models", default="", help=f"comma-separated subset of {','.join(MODEL_NAMES)} (int8: tests/zoo model names)")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-scaling", action="store_true")
@@ -499,7 +501,8 @@ def main(argv: list[str] | None = None) -> None:
 
         epochs = tuple(int(e) for e in args.epochs.split(",")) if args.epochs else (3, 10, 30)
         models = tuple(args.models.split(",")) if args.models else suites.FIT_MODELS
-        result = {"machine": machine(args), "fits": suites.fit_wall_times(epochs, args.repeats or 3, models)}
+        result = {"machine": machine(args), "fits": suites.fit_wall_times(epochs, args.repeats or 3, models,
+                                                                                    fresh_process=args.process == "fresh")}
         path = Path(args.out).with_suffix(".json") if args.out else RESULTS / f"fit-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result["fits"], indent=2))

@@ -224,21 +224,17 @@ def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str) -> dict[str,
 FIT_MODELS = ("digits_cnn", "residual_depthwise")
 
 
-def fit_wall_times(epochs: tuple[int, ...] = (3, 10, 30), repeats: int = 3, models: tuple[str, ...] = FIT_MODELS,
-                   compile_from_epochs: int = 30) -> dict[str, Any]:
-    """Wall time of a whole ``Trainer.fit`` on digits: float, with the callback's defaults, and (for fits of at
-    least ``compile_from_epochs`` epochs) with ``engine_options.compile=on``; each QAT fit over the float fit of
-    the same length (medians of ``repeats``, variants interleaved), on the wall clock and in process CPU time.
-    The Trainer is a user's default one (its default logger, writing to a temporary directory; no progress bar
-    or checkpoints): set-up, logging, validation, conversion and the fidelity check at fit end are all in it.
+FIT_VARIANTS = {
+    "float": None,
+    "QAT, defaults": {},
+    "QAT, compile=on": {"engine_options": {"compile": "on"}},
+}
 
-    Args:
-        epochs: fit lengths (20 optimizer steps an epoch).
-        repeats: fits per variant and length.
-        models: ``digits_cnn`` (the embedded default model) and/or ``residual_depthwise``
-            (:class:`~qlightning.examples.digits.ResidualDepthwiseCNN`, the issue's "small residual depthwise net").
-        compile_from_epochs: the shortest fit that also runs ``compile=on``.
-    """
+
+def one_fit(model: str, epochs: int, variant: str) -> tuple[float, float]:
+    """One ``Trainer.fit`` of ``model`` on digits for ``epochs`` epochs, as a user's default Trainer runs it
+    (its default logger, in a temporary directory; no progress bar or checkpoints), with the callback's
+    ``variant`` (:data:`FIT_VARIANTS`); returns the wall and process CPU seconds of ``trainer.fit``."""
     import tempfile
 
     import lightning.pytorch as pl
@@ -248,35 +244,65 @@ def fit_wall_times(epochs: tuple[int, ...] = (3, 10, 30), repeats: int = 3, mode
     from qlightning.examples.digits import ClassifierModule, ResidualDepthwiseCNN
 
     builders = {"digits_cnn": DigitsClassifier, "residual_depthwise": lambda: ClassifierModule(ResidualDepthwiseCNN())}
+    kwargs = FIT_VARIANTS[variant]
+    pl.seed_everything(0, verbose=False)
+    with tempfile.TemporaryDirectory() as root:
+        callbacks = [] if kwargs is None else [QuantizationAwareTraining(modules=["net"], **kwargs)]
+        trainer = pl.Trainer(max_epochs=epochs, callbacks=callbacks, default_root_dir=root, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+        start, cpu = time.perf_counter(), time.process_time()
+        with quiet():
+            trainer.fit(builders[model](), datamodule=DigitsDataModule(seed=0))
+        return time.perf_counter() - start, time.process_time() - cpu
 
-    def fit(model: str, epochs: int, callback: Optional[Callable[[], Any]]) -> Callable[[], float]:
-        def run() -> float:
-            pl.seed_everything(0, verbose=False)
-            with tempfile.TemporaryDirectory() as root:
-                trainer = pl.Trainer(max_epochs=epochs, callbacks=[callback()] if callback else [], default_root_dir=root,
-                                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                     accelerator="cpu", devices=1)
-                start, cpu = time.perf_counter(), time.process_time()
-                with quiet():
-                    trainer.fit(builders[model](), datamodule=DigitsDataModule(seed=0))
-                return time.perf_counter() - start, time.process_time() - cpu
-        return run
 
+_FIT_CHILD = """
+import json, sys, torch
+torch.set_num_threads(int(sys.argv[4]))
+from benchmarks.suites import one_fit
+print("RESULT " + json.dumps(one_fit(sys.argv[1], int(sys.argv[2]), sys.argv[3])))
+"""
+
+
+def _fit_in_fresh_process(model: str, epochs: int, variant: str) -> tuple[float, float]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _FIT_CHILD, model, str(epochs), variant, str(torch.get_num_threads())],
+                          capture_output=True, text=True, env=env, timeout=3600)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"fit {model} {epochs} {variant} failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
+    wall, cpu = json.loads(line[len("RESULT "):])
+    return wall, cpu
+
+
+def fit_wall_times(epochs: tuple[int, ...] = (3, 10, 30), repeats: int = 3, models: tuple[str, ...] = FIT_MODELS,
+                   compile_from_epochs: int = 30, fresh_process: bool = True) -> dict[str, Any]:
+    """Wall time of a whole ``Trainer.fit`` on digits: float, with the callback's defaults, and (for fits of at
+    least ``compile_from_epochs`` epochs) with ``engine_options.compile=on``; each QAT fit over the float fit of
+    the same length (medians of ``repeats``, variants interleaved), on the wall clock and in process CPU time.
+    The Trainer is a user's default one (:func:`one_fit`): set-up, logging, validation, conversion and the
+    fidelity check at fit end are all in it.
+
+    Args:
+        epochs: fit lengths (20 optimizer steps an epoch).
+        repeats: fits per variant and length.
+        models: ``digits_cnn`` (the embedded default model) and/or ``residual_depthwise``
+            (:class:`~qlightning.examples.digits.ResidualDepthwiseCNN`, the issue's "small residual depthwise net").
+        compile_from_epochs: the shortest fit that also runs ``compile=on``.
+        fresh_process: each fit in a new Python process (torch and Lightning imported before the clock
+            starts), as a user's run is: what a first fit imports or builds once is counted. ``False``: all
+            fits in this process, so only the first pays it (the figures before stop 48).
+    """
+    fit = _fit_in_fresh_process if fresh_process else one_fit
     out: dict[str, Any] = {}
     for model in models:
         for n in epochs:
-            variants = {
-                "float": fit(model, n, None),
-                "QAT, defaults": fit(model, n, lambda: QuantizationAwareTraining(modules=["net"])),
-            }
-            if n >= compile_from_epochs:
-                variants["QAT, compile=on"] = fit(
-                    model, n, lambda: QuantizationAwareTraining(modules=["net"], engine_options={"compile": "on"}))
+            variants = [v for v in FIT_VARIANTS if "compile" not in v or n >= compile_from_epochs]
             times: dict[str, list[float]] = {k: [] for k in variants}
             cpu_times: dict[str, list[float]] = {k: [] for k in variants}
             for _ in range(repeats):
-                for name, run in variants.items():
-                    wall, cpu = run()
+                for name in variants:
+                    wall, cpu = fit(model, n, name)
                     times[name].append(wall)
                     cpu_times[name].append(cpu)
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
@@ -287,7 +313,8 @@ def fit_wall_times(epochs: tuple[int, ...] = (3, 10, 30), repeats: int = 3, mode
                         # process CPU time: on a shared machine the wall clock also counts other tenants' load
                         "cpu_s": {k: round(v, 2) for k, v in cpu_med.items()},
                         "cpu_over_float": {k: round(v / cpu_med["float"], 2) for k, v in cpu_med.items() if k != "float"},
-                        "all_s": {k: [round(t, 2) for t in v] for k, v in times.items()}}
+                        "all_s": {k: [round(t, 2) for t in v] for k, v in times.items()},
+                        "process": "fresh" if fresh_process else "shared"}
             _log(f"fit {key}: wall {out[key]['fit_s']} -> {out[key]['over_float']}; "
                  f"CPU {out[key]['cpu_s']} -> {out[key]['cpu_over_float']}")
     return out
