@@ -25,7 +25,7 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "fast_qat": (bool, "vectorized fake-quant, fused ReLU, conv-bn and linear paths in training (default true)"),
         "fast_conv_bn": (bool, "conv-bn dividing the weight instead of the conv output (default true)"),
         "fast_linear": (bool, "QAT Linear recomputes its weight fake-quant in backward (default true)"),
-        "fast_prepare": (bool, "skip torch.ao's throw-away observer constructions in prepare (default true)"),
+        "fast_prepare": (bool, "skip torch.ao's throw-away observer constructions and node stack traces in prepare (default true)"),
         "clamp_activations": (bool, "convert clamps int8 activations to the fake-quant's range, e.g. reduce_range 0..127 (default true)"),
         "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),
         "leaf_mode_modules": (bool, "modules whose traced forward would bake self.training in (torchvision StochasticDepth) stay leaves (default true)"),

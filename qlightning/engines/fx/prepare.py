@@ -17,7 +17,9 @@ same answers: the constructor check is remembered per constructor, the device lo
 object that stops at the first parameter or buffer, and the constraint check is remembered per
 (underlying constructor, activation/weight, backend constraint). torch.ao's other quadratic term
 (``dict(model.named_modules())`` rebuilt per instrumented node in ``insert_observers_for_model``) is
-left alone. ``engine_options={"fast_prepare": False}`` turns this off.
+left alone. torch.ao's tracer also records each node's Python stack (nothing here reads it), and the frame
+filter doing so imports torch.export and aot_autograd the first time: 0.25-1.1 s of a process's first prepare;
+within the block it records none. ``engine_options={"fast_prepare": False}`` turns this off.
 """
 
 from __future__ import annotations
