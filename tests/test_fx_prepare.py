@@ -131,7 +131,8 @@ print("LOADED", [m for m in HEAVY if m in sys.modules and m not in already])
 
 def test_a_first_prepare_in_a_process_does_not_import_torch_export():
     # torch.ao's tracer recorded each node's stack, and its frame filter imports torch.export and
-    # aot_autograd: 0.85 s of a user's first fit on an AVX2 EPYC, where a 3-epoch digits fit takes 1.3 s
+    # aot_autograd: 0.23-0.35 s of the digits CNN's first prepare on an AVX2 EPYC, where a 3-epoch digits
+    # fit takes 1.2-1.3 s in float
     out = subprocess.run([sys.executable, "-c", _FIRST_PREPARE], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("ALREADY", "LOADED")))
