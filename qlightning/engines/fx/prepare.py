@@ -18,7 +18,7 @@ object that stops at the first parameter or buffer, and the constraint check is 
 (underlying constructor, activation/weight, backend constraint). torch.ao's other quadratic term
 (``dict(model.named_modules())`` rebuilt per instrumented node in ``insert_observers_for_model``) is
 left alone. torch.ao's tracer also records each node's Python stack (nothing here reads it), and the frame
-filter doing so imports torch.export and aot_autograd the first time: 0.25-1.1 s of a process's first prepare;
+filter doing so imports torch.export and aot_autograd the first time: 0.23-1.1 s of a process's first prepare;
 within the block it records none. ``engine_options={"fast_prepare": False}`` turns this off.
 """
 
