@@ -224,6 +224,15 @@ def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str) -> dict[str,
 FIT_MODELS = ("digits_cnn", "residual_depthwise")
 
 
+def _child_result(code: str, *args: str, timeout: float, **env: str) -> tuple[Optional[str], str]:
+    """Run ``code`` in a new Python process (this repository importable, ``env`` added to the environment);
+    returns the text after its ``RESULT `` line (``None`` when it printed none) and its error output."""
+    full_env = dict(os.environ, **env, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    return (None if line is None else line[len("RESULT "):]), (proc.stderr or proc.stdout)[-3000:]
+
+
 FIT_VARIANTS = {
     "float": None,
     "QAT, defaults": {},
@@ -265,13 +274,10 @@ print("RESULT " + json.dumps(one_fit(sys.argv[1], int(sys.argv[2]), sys.argv[3])
 
 
 def _fit_in_fresh_process(model: str, epochs: int, variant: str) -> tuple[float, float]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _FIT_CHILD, model, str(epochs), variant, str(torch.get_num_threads())],
-                          capture_output=True, text=True, env=env, timeout=3600)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"fit {model} {epochs} {variant} failed:\n{(proc.stderr or proc.stdout)[-3000:]}")
-    wall, cpu = json.loads(line[len("RESULT "):])
+    result, error = _child_result(_FIT_CHILD, model, str(epochs), variant, str(torch.get_num_threads()), timeout=3600)
+    if result is None:
+        raise RuntimeError(f"fit {model} {epochs} {variant} failed:\n{error}")
+    wall, cpu = json.loads(result)
     return wall, cpu
 
 
@@ -411,14 +417,11 @@ def saved_tensor_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> in
 def memory(name: str, quick: bool, variants: tuple[str, ...] = ("float", "torch.ao FX", "qlightning FX")) -> dict[str, Any]:
     """Peak RSS growth in one train step (fresh process; glibc told to mmap every block >= 64 KiB, so
     freed tensors leave RSS at once and the peak tracks live memory), and saved-for-backward bytes."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, name, "1" if quick else "0", ",".join(variants)],
-                          capture_output=True, text=True, env=env, timeout=900)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        return {"error": (proc.stderr or proc.stdout)[-2000:]}
-    data = json.loads(line[len("RESULT "):])
+    result, error = _child_result(_MEMORY_CHILD, name, "1" if quick else "0", ",".join(variants), timeout=900,
+                                  MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072")
+    if result is None:
+        return {"error": error[-2000:]}
+    data = json.loads(result)
     base = data["float"]
     for v in data.values():
         v["rss_over_float"] = round(v["rss_growth_kb"] / base["rss_growth_kb"], 3) if base["rss_growth_kb"] > 0 else None
@@ -579,12 +582,10 @@ print(f"RESULT {t1 - t0:.3f} {t3 - t2:.3f} {t4 - t3:.3f}")
 
 def cold_prepare() -> dict[str, Any]:
     """First prepare in a fresh process vs the second one (the import cost is reported apart)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _COLD_CHILD], capture_output=True, text=True, env=env, timeout=300)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        return {"error": proc.stderr[-2000:]}
-    imp, first, second = (float(v) for v in line.split()[1:])
+    result, error = _child_result(_COLD_CHILD, timeout=300)
+    if result is None:
+        return {"error": error[-2000:]}
+    imp, first, second = (float(v) for v in result.split())
     return {"import_s": imp, "first_prepare_s": first, "second_prepare_s": second}
 
 

@@ -682,8 +682,9 @@ def float_round_trips(gm: torch.fx.GraphModule) -> int:
     """A ``quantize -> dequantize`` whose value feeds float ops -> the same rounding done in float32; returns how
     many changed.
 
-    ``dequantize(quantize(x))`` becomes ``(clamp(round(x * (1 / s)) + zp, qmin, qmax) - zp) * s``: the formula of
-    ``quantized_decomposed``'s two ops, so the same numbers (bit for bit, eagerly), but the codes are never stored.
+    ``dequantize(quantize(x))`` becomes ``(clamp(round(x * (1 / s)) + zp, qmin, qmax) - zp) * s`` (:func:`_fake_quantize`,
+    what :func:`to_aten` writes too): the formula of ``quantized_decomposed``'s two ops, so the same numbers (bit for
+    bit, eagerly), but the codes are never stored.
     Data movement between the two (a permute, a reshape) is applied to the float value instead.
     Why: inductor's CPU kernels step through uint8 eight values at a time (one AVX2 float vector), and on AVX2
     ``Vectorized<uint8_t>::loadu(ptr, 8)`` copies them through a 32-byte buffer (``vec256_int.h``; AVX-512 has a
@@ -698,7 +699,6 @@ def float_round_trips(gm: torch.fx.GraphModule) -> int:
         gm: the q/dq graph, changed in place (recompiled if anything changed).
     """
     qd = quantized_decomposed_ops()
-    aten = torch.ops.aten
     changed = 0
     for dq in list(gm.graph.nodes):
         if dq.op != "call_function" or dq.target is not qd.dequantize_per_tensor.default:
@@ -718,12 +718,7 @@ def float_round_trips(gm: torch.fx.GraphModule) -> int:
         if not floats:
             continue
         with gm.graph.inserting_before(dq):
-            t = gm.graph.call_function(aten.mul.Tensor, (x, 1.0 / scale))
-            t = gm.graph.call_function(aten.round.default, (t,))
-            t = gm.graph.call_function(aten.add.Tensor, (t, float(zero_point)))
-            t = gm.graph.call_function(aten.clamp.default, (t, float(qmin), float(qmax)))
-            t = gm.graph.call_function(aten.sub.Tensor, (t, float(zero_point)))
-            value = gm.graph.call_function(aten.mul.Tensor, (t, scale))
+            value = gm.graph.call_function(_fake_quantize, (x, scale, zero_point, qmin, qmax))
             for shape in reversed(shapes):
                 value = gm.graph.call_function(shape.target, (value, *shape.args[1:]), dict(shape.kwargs))
         for user in floats:
