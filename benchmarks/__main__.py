@@ -382,7 +382,8 @@ def run_compile(args: argparse.Namespace) -> None:
     out = {"machine": machine(args), "models": {}}
     for name in names:
         _log(f"compile: {name}")
-        out["models"][name] = suites.compiled_step_ratios(model_spec(name, args.quick), args.repeats or 20, args.clock)
+        out["models"][name] = suites.compiled_step_ratios(model_spec(name, args.quick), args.repeats or 20, args.clock,
+                                                          tuple(args.engines.split(",")))
         print(json.dumps({name: out["models"][name]}, indent=2), flush=True)
     path = Path(args.out).with_suffix(".json") if args.out else RESULTS / f"compile-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     if path.exists() and not args.overwrite:

@@ -166,12 +166,14 @@ def _step_figures(spec: ModelSpec, stats: dict[str, dict[str, float]], repeats: 
     }
 
 
-def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str) -> dict[str, Any]:
+def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str, engines: tuple[str, ...] = ("fx",)) -> dict[str, Any]:
     """The compiled QAT path (``engine_options.compile``) beside eager float, compiled float and the eager paths.
 
     Observing (fake-quant and observers on) and frozen (observers and BN frozen) phases; each compiled variant's
     first two calls (the compile: forward + backward graphs) are timed on the wall clock and reported apart.
+    ``engines`` with ``pt2e``: the PT2E engine's eager and compiled paths too.
     """
+    from qlightning import get_engine
     from qlightning.engines.fx.compiled import compile_for_training
 
     torch.manual_seed(0)
@@ -196,6 +198,21 @@ def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str) -> dict[str,
         module = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, fast=False), QAT_ON)
         compile_for_training(module)
         variants[label] = frozen(module) if frozen_phase else module
+    if "pt2e" in engines:
+        pt2e = get_engine("pt2e")
+
+        def pt2e_frozen(module: nn.Module) -> nn.Module:
+            with torch.no_grad():
+                module(x)
+            return set_phase(module, QAT_FROZEN, "pt2e")
+
+        variants["qlightning PT2E"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, "pt2e"), QAT_ON, "pt2e")
+        variants["qlightning PT2E, frozen"] = pt2e_frozen(
+            set_phase(qlightning_prepare(copy.deepcopy(float_model), example, "pt2e"), QAT_ON, "pt2e"))
+        for label, frozen_phase in (("qlightning PT2E compiled", False), ("qlightning PT2E compiled, frozen", True)):
+            module = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, "pt2e"), QAT_ON, "pt2e")
+            pt2e.compile_training(module)
+            variants[label] = pt2e_frozen(module) if frozen_phase else module
     fns = {name: train_step(m, x, y) for name, m in variants.items()}
     compile_s = {}
     for name, fn in fns.items():

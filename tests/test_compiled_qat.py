@@ -21,7 +21,12 @@ from qlightning import Phase, QuantizationAwareTraining, get_engine
 from qlightning.core.compile_choice import EXPECTED_SAVING, TIMED_STEPS, CompileDecider, compile_seconds, phases_left
 from qlightning.core.schedule import Milestone, Schedule
 from qlightning.engines.fx.fast_fq import restore_fake_quant
-from qlightning.engines.fx.compiled import choose_qparams, compile_for_training, decompile, fake_quantize, make_traceable
+from qlightning.engines.fx.compiled import compile_for_training, decompile, make_traceable
+from qlightning.engines import Inputs, QuantSpec
+from qlightning.engines.base import is_fused_fake_quant
+from qlightning.engines.traceable import choose_qparams, compile_training_forward, fake_quantize, restore_fake_quants
+from qlightning.engines.traceable import make_traceable as make_fake_quants_traceable
+from qlightning.examples.digits import DigitsCNN
 from qlightning.errors import ConfigError
 from qlightning.examples import DigitsClassifier, DigitsDataModule
 from test_fast_qat import ResBlockNet, _data, _prepare, _train
@@ -135,13 +140,14 @@ def test_compile_estimate_grows_with_the_model_and_is_near_what_the_benchmark_me
 def test_compile_option_is_checked_with_its_choices():
     with pytest.raises(ConfigError, match=r"engine_options.compile='sometimes': one of \['auto', 'on', 'off'\]"):
         QuantizationAwareTraining(engine_options={"compile": "sometimes"})
-    with pytest.raises(ConfigError, match=r"engine_options.compile: unknown option for engine 'pt2e'"):
-        QuantizationAwareTraining(engine="pt2e", engine_options={"compile": True})
+    with pytest.raises(ConfigError, match=r"engine_options.compile='sometimes': one of \['auto', 'on', 'off'\]"):
+        QuantizationAwareTraining(engine="pt2e", engine_options={"compile": "sometimes"})
     for value in ("auto", "on", "off", True, False):
         QuantizationAwareTraining(engine_options={"compile": value})
+        QuantizationAwareTraining(engine="pt2e", engine_options={"compile": value})
 
 
-def _fit(compile_mode: str, seed: int = 0):
+def _fit(compile_mode: str, seed: int = 0, engine: str = "fx"):
     pl.seed_everything(seed)
     dm = DigitsDataModule(seed=0)
     model = DigitsClassifier()
@@ -154,21 +160,23 @@ def _fit(compile_mode: str, seed: int = 0):
     # two phases (fake-quant with observers, then observers and BN frozen): two compiles; each epoch ends on a
     # smaller batch (1257 = 19 x 64 + 41), in both phases, which must not recompile
     qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"step": 0}, observer_freeze={"step": 60},
-                                    bn_freeze={"step": 60}, engine_options={"compile": compile_mode})
+                                    bn_freeze={"step": 60}, engine=engine, engine_options={"compile": compile_mode})
     trainer = make_trainer([qat, Losses()], max_epochs=-1, max_steps=90, limit_val_batches=2, val_check_interval=15)
     trainer.fit(model, datamodule=dm)
     return model, dm, qat, losses
 
 
 @pytest.mark.slow  # two short fits, one of them compiled: inductor's compiles dominate (~1-3 min on 2 cores)
-def test_compiled_fit_trains_like_eager_and_converts_to_the_same_int8_model():
+@pytest.mark.parametrize("engine", ["fx", "pt2e"])
+def test_compiled_fit_trains_like_eager_and_converts_to_the_same_int8_model(engine):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    eager_model, dm, eager_qat, eager_losses = _fit("off")
-    compiled_model, _, compiled_qat, compiled_losses = _fit("on")
+    eager_model, dm, eager_qat, eager_losses = _fit("off", engine=engine)
+    compiled_model, _, compiled_qat, compiled_losses = _fit("on", engine=engine)
     assert compiled_qat.session.compile_choice["compiled"] and not eager_qat.session.compile_choice["compiled"]
     frames = torch._dynamo.utils.counters["frames"]
-    # one graph per phase: the phase change recompiled once, the last batches not at all (eval stays eager)
+    # one graph per phase: the phase change recompiled once, the last batches not at all (eval stays eager; PT2E's
+    # graph, rewritten for every validation and back, compiles once per distinct graph)
     assert frames["ok"] == 2, dict(frames)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     # the same computation up to float rounding (inductor's reduction order; a value on a rounding boundary of
@@ -226,6 +234,86 @@ def test_engine_compile_pair_is_symmetric():
         clone(x)
     engine.decompile(prepared)
     assert "forward" not in prepared.__dict__ and "_qlightning_compiled" not in prepared.__dict__
+
+
+def _pt2e_prepared(net: torch.nn.Module, x: torch.Tensor) -> torch.fx.GraphModule:
+    return get_engine("pt2e").prepare(net, Inputs((x[:8],)), QuantSpec(backend="x86"))
+
+
+def _train_with_engine(engine, model, x, y, steps: int, phases=(), validate: bool = False) -> None:
+    """``steps`` SGD steps of ``model`` switching to ``phases`` (``(step, phase)``) as the callback does, each
+    step after an eval-mode forward without grad where ``validate`` (Lightning's validation loop)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        for at, phase in phases:
+            if step == at:
+                engine.set_phase(model, phase)
+        if validate:
+            model.eval()
+            with torch.no_grad():
+                model(x[:16])
+        model.train()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[: 64 - 7 * (step % 3)]), y[: 64 - 7 * (step % 3)]).backward()
+        optimizer.step()
+
+
+def _instance_forwards(module: torch.nn.Module) -> dict:
+    return {name: getattr(m.__dict__["forward"], "__func__", m.__dict__["forward"])
+            for name, m in module.named_modules() if "forward" in m.__dict__}
+
+
+@pytest.mark.parametrize("net_cls", [DigitsCNN, ResBlockNet])
+def test_pt2e_traceable_fake_quant_is_torchaos_fused_op_bit_for_bit(net_cls):
+    """torchao's ``FusedMovingAvgObsFakeQuantize`` runs the fused op torch.ao's does: the same traceable forward
+    reproduces it through every phase, BatchNorm freeze included; restoring gives back the eager path's own forwards
+    (``lean_float_phase``'s on the per-tensor ones)."""
+    torch.manual_seed(0)
+    x, y = _data()
+    engine = get_engine("pt2e")
+    reference = _pt2e_prepared(net_cls(), x)
+    traceable = copy.deepcopy(reference)
+    eager_forwards = _instance_forwards(traceable)
+    assert eager_forwards, "lean_float_phase gave no fake-quant a forward of its own"
+    made = make_fake_quants_traceable(traceable)
+    assert len(made) >= 6 and all(is_fused_fake_quant(m) for m in made)
+    _train_with_engine(engine, reference, x, y, 7, PHASES)
+    _train_with_engine(engine, traceable, x, y, 7, PHASES)
+    expected, got = reference.state_dict(), traceable.state_dict()
+    assert expected.keys() == got.keys()
+    assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
+    assert restore_fake_quants(traceable) == len(made)
+    assert _instance_forwards(traceable) == eager_forwards
+
+
+def test_pt2e_compiles_once_per_distinct_graph_whatever_the_batch_and_the_validations():
+    """PT2E rewrites its graph's BatchNorm and dropout nodes for every eval() and train() (Lightning's validation)
+    and for the BatchNorm freeze, which regenerates the GraphModule's code: one compile per distinct graph, not one
+    per validation. Graphs are counted with a backend that runs them eagerly."""
+    torch._dynamo.reset()
+    x, y = _data()
+    engine = get_engine("pt2e")
+    prepared = _pt2e_prepared(DigitsCNN(), x)
+    engine.set_phase(prepared, Phase(True, True, False))
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    assert engine.compiles_training
+    compile_training_forward(prepared, make_fake_quants_traceable(prepared), backend=counting_backend)
+    _train_with_engine(engine, prepared, x, y, 4, validate=True)
+    assert len(graphs) == 1, graphs
+    engine.set_phase(prepared, Phase(True, False, True))  # observers and BatchNorm frozen: a new graph
+    statistics_before = {k: v.clone() for k, v in prepared.state_dict().items() if "running_" in k}
+    _train_with_engine(engine, prepared, x, y, 4, validate=True)
+    assert len(graphs) == 2, graphs
+    # the new graph is the frozen one (a compile of the graph code of the first phase would still update them)
+    assert all(torch.equal(v, prepared.state_dict()[k]) for k, v in statistics_before.items())
+    engine.decompile(prepared)
+    assert "forward" not in prepared.__dict__ and not any("_qlightning_flags" in m.__dict__ for m in prepared.modules())
+    torch._dynamo.reset()
 
 
 def test_auto_times_eager_steps_then_compiles_a_run_long_enough(monkeypatch):

@@ -37,6 +37,8 @@ ENGINE_OPTIONS: dict[str, dict[str, tuple[type, str]]] = {
         "requantize_as_trained": (bool, "int8 average pools run in float and requantize, dropouts and identities requantize to their trained qparams, as the fake-quant model computes them (default true)"),
     },
     "pt2e": {
+        "compile": (COMPILE_MODES, "QAT training forwards through torch.compile: auto (when the time it saves on the run's "
+                    "remaining steps exceeds the compile time), on, off (default auto)"),
         "trained_qparams": (bool, "convert quantizes with the fake-quants' own scale / zero point buffers, not the observers' recomputation (default true)"),
         "dynamic_batch": (bool, "export dim 0 of the inputs as a dynamic batch (default true)"),
         "dynamic_dims": (list, "further input dims exported as dynamic, e.g. [1] for a sequence (default [])"),

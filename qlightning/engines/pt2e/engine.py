@@ -49,6 +49,7 @@ from qlightning.engines.base import (
     trained_qparams, x86_u8s8_pair_sums,
 )
 from qlightning.engines.names import plain, resolve_reference
+from qlightning.engines.traceable import compile_training_forward, make_traceable, restore_fake_quants, uncompile
 from qlightning.core.quiet import quiet
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
 from qlightning.core.schedule import Phase
@@ -776,7 +777,7 @@ class Pt2eEngine(QuantEngine):
     ``dropout_stochastic_depth`` (default ``True``: torchvision's ``StochasticDepth`` is exported as a
     dropout, so ``eval()`` turns it off, see :func:`_stochastic_depth_as_dropout`),
     ``split_call_sites`` (default ``True``: each call of a stateless module called at several sites is
-    annotated on its own, see :func:`_split_call_sites`).
+    annotated on its own, see :func:`_split_call_sites`), ``compile`` (the callback's: :meth:`compile_training`).
 
     Example::
 
@@ -788,6 +789,7 @@ class Pt2eEngine(QuantEngine):
 
     name = "pt2e"
     converts_to_qdq_graph = True
+    compiles_training = True
 
     def converted_here(self, module: nn.Module) -> bool:
         """Whether ``module`` is this engine's output: its graph holds ``quantized_decomposed`` q/dq ops.
@@ -1173,6 +1175,32 @@ class Pt2eEngine(QuantEngine):
             else:
                 _set_plain_observer(m, enabled)
 
+    # ------------------------------------------------------------------ compiled training
+
+    def compile_training(self, module: nn.Module) -> bool:
+        """Training forwards through ``torch.compile``, torchao's fused fake-quants in traceable tensor ops
+        (:mod:`qlightning.engines.traceable`, shared with the FX engine).
+
+        Unlike torch.ao's, torchao's fake-quants are not on dynamo's skip list, but their fused op reads its
+        flags on the host. The exported graph's ReLUs stay ``aten.relu``; the BatchNorm freeze and train/eval
+        rewrite the graph's BatchNorm nodes, and each distinct graph compiles once.
+
+        Args:
+            module: the prepared GraphModule; an earlier compile is undone first.
+        """
+        self.decompile(module)
+        compile_training_forward(module, make_traceable(module))
+        return True
+
+    def decompile(self, module: nn.Module) -> None:
+        """Undo :meth:`compile_training` on ``module``: eager forwards again, the eager path's own included.
+
+        Args:
+            module: the prepared module.
+        """
+        uncompile(module)
+        restore_fake_quants(module)
+
     # ------------------------------------------------------------------ convert
 
     @contextlib.contextmanager
@@ -1224,6 +1252,7 @@ class Pt2eEngine(QuantEngine):
         self.check_spec(spec)
         if not isinstance(module, torch.fx.GraphModule):
             raise TypeError(f"Pt2eEngine.convert expects the module returned by prepare, got {type(module).__name__}")
+        self.decompile(module)
         self.set_observers(module, False)
         self._observe_final_weights(module)
         module.eval()  # dropout off, BatchNorm on running statistics: the patterns the fold matches

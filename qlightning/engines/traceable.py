@@ -1,0 +1,397 @@
+"""Fused fake-quants in plain tensor ops, and a training forward through ``torch.compile``: the compiled QAT
+path of both engines (``engine_options.compile``).
+
+``torch.compile`` of a prepared model gets nowhere by itself: dynamo skips ``torch.ao.quantization``
+(``MOD_SKIPLIST`` in ``torch/_dynamo/trace_rules.py``), so every torch.ao fake-quant is a graph break, and the
+fused op (torch.ao's and torchao's ``FusedMovingAvgObsFakeQuantize`` run the same one) keeps its flags in
+tensors that it reads on the host. Here each such fake-quant gets an *instance* forward
+(:func:`traceable_forward`, defined here, so dynamo inlines it) that does what
+``torch.fused_moving_avg_obs_fake_quant`` does in plain tensor ops:
+
+* the moving-average min/max update (``running + c * (current - running)``, the first observation taken as
+  is), per tensor or per channel;
+* scale and zero point by :func:`choose_qparams`, a tensor-op transcription of
+  ``ATen/native/quantized/cpu/QuantUtils.h::ChooseQuantizationParams`` (what the fused op calls: float and
+  double steps where it has them), so that the qparams are the fused op's own bit for bit;
+* the fake-quant ``(clamp(round(x * (1/s)) + zp, qmin, qmax) - zp) * s`` with the straight-through
+  gradient inside the range (``aten::fake_quantize_per_*_affine_cachemask``'s arithmetic), its mask built in
+  float ops: inductor's C++ code stores a bool tensor an element at a time, and its partitioner saves the
+  smallest tensor for the backward, so any bool on the way was stored (notes/perf.md section 26);
+* a ReLU that an engine fused into the fake-quant (flag ``_qlightning_relu``; the FX engine does for
+  ``nn.ReLU`` modules) is applied inside it, ReLU's gradient in the same float mask, for the same reason.
+
+Eagerly the forward is bit-identical to the fused op (outputs, gradients, every buffer: tests). Compiled,
+inductor fuses it with its neighbours; the phase (observers, fake-quant) is a Python tuple that dynamo
+guards on, refreshed from the modules' flag buffers before every compiled call, so a phase change
+recompiles once instead of breaking the graph, and the buffers stay the single source of truth
+(checkpoints, DDP broadcasts, the libraries' own ``enable_observer``). The batch dimension is dynamic from the
+first compile, so an epoch's last, smaller batch does not compile again. A graph module whose graph is rewritten
+(PT2E's BatchNorm freeze and train/eval switches regenerate its code) gets one compiled function per generated
+code. Compiled results differ from eager by float rounding (inductor reorders reductions), as compiled float
+training does.
+
+Classes, buffers and ``state_dict`` keys stay the library's, so converting is unchanged; the engines undo
+everything (:func:`uncompile`, :func:`restore_fake_quants`) before converting. No quantization library is
+imported here: the engines say which fake-quants qualify.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from qlightning.engines.base import _per_channel_inputs, centres_on_zero, is_fused_fake_quant, straddle_zero_
+
+# ATen/native/quantized/cpu/QuantUtils.h: constexpr float SMALL_SCALE_THRESHOLD = 6.1e-5f
+SMALL_SCALE_THRESHOLD = float(torch.tensor(6.1e-5, dtype=torch.float32))
+
+
+def choose_qparams(min_val: torch.Tensor, max_val: torch.Tensor, qmin: int, qmax: int,
+                   symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (float32) and zero point (int32) per element of ``min_val`` / ``max_val``, as the fused op computes them.
+
+    A line-by-line transcription of ``ChooseQuantizationParams(min, max, qmin, qmax, preserve_sparsity=symmetric)``:
+    the symmetric widening in float32, scale and zero point in double, the 0.1 fallback for a zero or
+    overflowing scale and the small-scale cut-off (``SMALL_SCALE_THRESHOLD``) with its min/max rescaling.
+
+    Args:
+        min_val: the observed minimum (a scalar tensor, or one per channel).
+        max_val: the observed maximum, of the same shape.
+        qmin: the lowest quantized value.
+        qmax: the highest quantized value.
+        symmetric: a symmetric qscheme (``preserve_sparsity``): the range is widened symmetrically and a
+            straddling range gets the middle zero point.
+    """
+    mn, mx = min_val, max_val
+    if symmetric:
+        sym_qmin, sym_qmax = -((qmax - qmin) // 2 + 1), (qmax - qmin) // 2
+        max_scale = torch.maximum((mn / sym_qmin).abs(), (mx / sym_qmax).abs())
+        straddles = (mn < 0) & (mx > 0)
+        mn = torch.where(straddles, max_scale * sym_qmin, mn)
+        mx = torch.where(straddles, max_scale * sym_qmax, mx)
+    mn, mx = torch.clamp(mn, max=0.0), torch.clamp(mx, min=0.0)  # the range holds 0
+    scale = (mx.double() - mn.double()) / (qmax - qmin)
+    as_float = scale.float()
+    scale = torch.where((as_float == 0) | torch.isinf(torch.reciprocal(as_float)), 0.1, scale)
+    small = scale < SMALL_SCALE_THRESHOLD
+    amplifier = SMALL_SCALE_THRESHOLD / scale.float()
+    span = SMALL_SCALE_THRESHOLD * (qmax - qmin)
+    small_min = torch.where(mn == 0, mn, torch.where(mx == 0, torch.full_like(mn, -span), mn * amplifier))
+    small_max = torch.where(mn == 0, torch.full_like(mx, span), torch.where(mx == 0, mx, mx * amplifier))
+    mn, mx = torch.where(small, small_min, mn), torch.where(small, small_max, mx)
+    scale = torch.where(small, SMALL_SCALE_THRESHOLD, scale)
+    low, high = mn.double() / scale, mx.double() / scale
+    # the zero point from whichever end adds the smaller terms
+    zero_point = torch.where(abs(qmin) - low.abs() < abs(qmax) - high.abs(), qmin - low, qmax - high)
+    if symmetric:
+        zero_point = torch.where((mn < 0) & (mx > 0), (qmin + qmax) / 2, zero_point)
+    zero_point = torch.where(zero_point < qmin, float(qmin), torch.where(zero_point > qmax, float(qmax), torch.round(zero_point)))
+    return scale.float(), zero_point.to(torch.int32)
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int,
+                  relu: bool = False) -> torch.Tensor:
+    """``(clamp(round(x * (1/s)) + zp, qmin, qmax) - zp) * s``; gradient 1 where ``round(x/s) + zp`` is in range, else 0.
+
+    Args:
+        x: the tensor to fake-quantize.
+        scale: the scale, broadcastable to ``x``.
+        zero_point: the zero point, broadcastable to ``x``.
+        qmin: the lowest quantized value.
+        qmax: the highest quantized value.
+        relu: fake-quantize ``relu(x)``, with ReLU's gradient (0 where ``x <= 0``) in the same mask.
+    """
+    with torch.no_grad():
+        zp = zero_point.to(x.dtype)
+        q = torch.round((torch.relu(x) if relu else x) * torch.reciprocal(scale)) + zp
+        clamped = torch.clamp(q, qmin, qmax)
+        # The mask in float arithmetic, with no bool on the way: inductor's C++ code stores a bool vector an
+        # element at a time (131k elements: 700 us against 35 us at 1 thread, torch 2.13), and its partitioner
+        # saves the smallest tensor for the backward, so a bool anywhere in the mask got stored. q and its clamp
+        # are integers, so |q - clamp(q)| is 0 inside the range and at least 1 outside: the mask is 1.0 or 0.0,
+        # what a bool promotes to in the product. (A NaN input gets a NaN mask where aten's is 0; its output is
+        # NaN too, so the loss and every gradient before it are NaN either way.)
+        inside = torch.clamp(1.0 - torch.abs(q - clamped), min=0.0)
+        if relu:
+            inside = inside * _positive(x)
+        out = (clamped - zp) * scale
+    # forward: out + 0; backward: the mask (the straight-through estimator torch.ao's cachemask ops implement)
+    return out + (x - x.detach()) * inside
+
+
+def _positive(x: torch.Tensor) -> torch.Tensor:
+    """1.0 where ``x > 0``, else 0.0 (ReLU's gradient), in float ops: ``torch.relu``'s own backward keeps a bool
+    mask, which inductor stores an element at a time (a compiled ``relu(x) * 2`` of 1M elements, forward and
+    backward: 15.8 ms at 1 thread)."""
+    return torch.clamp(torch.sign(x), min=0.0)
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    """``torch.relu(x)``, its gradient through :func:`_positive`'s float mask.
+
+    Args:
+        x: the input.
+    """
+    with torch.no_grad():
+        out = torch.relu(x)
+    return out + (x - x.detach()) * _positive(x)
+
+
+def _stored_once(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values, as the output of a reduction, which inductor computes once and stores.
+
+    A chain of pointwise ops on a few elements is inlined into each consumer's loop instead: the ~40 scalar steps
+    of :func:`choose_qparams` (double divisions among them) ran once per vector of the fake-quant's input. The
+    maximum of two copies of ``t`` is ``t`` bit for bit.
+    """
+    return torch.stack([t, t]).amax(0)
+
+
+def _flags(fq: nn.Module) -> tuple[bool, bool]:
+    return bool(fq.observer_enabled[0]), bool(fq.fake_quant_enabled[0])
+
+
+def traceable_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
+    """``FusedMovingAvgObsFakeQuantize.forward`` in plain tensor ops (see the module docstring).
+
+    As the fused op: the observer moves the running min/max only; with fake-quant on, scale and zero point
+    are recomputed from the running min/max at every call (observer on or off) and written to the buffers.
+
+    Args:
+        X: the input; returned unchanged when fake-quant is off.
+    """
+    obs = self.activation_post_process
+    # compiled: the guarded Python copy of the flags (refreshed by the compiled caller); eager: the buffers
+    observe, fake_quant = self.__dict__["_qlightning_flags"] if torch.compiler.is_compiling() else _flags(self)
+    relu_first = self.__dict__.get("_qlightning_relu", False)  # the ReLU before it is fused in (make_traceable)
+    qmin, qmax = obs.quant_min, obs.quant_max
+    min_val, max_val = obs.min_val, obs.max_val
+    if observe:
+        with torch.no_grad():
+            x = X.detach()
+            if self.is_per_channel:
+                if min_val.numel() == 0 and not torch.compiler.is_compiling():  # after reset_min_max_vals
+                    _size_per_channel(self, x.shape[self.ch_axis])
+                    min_val, max_val = obs.min_val, obs.max_val
+                rows = (x if self.ch_axis == 0 else x.transpose(0, self.ch_axis)).flatten(1)
+                current_min, current_max = rows.amin(1), rows.amax(1)
+            else:
+                current_min, current_max = torch.aminmax(x)
+                if relu_first:  # ReLU is monotone: the range of relu(x) is relu of x's
+                    current_min, current_max = torch.relu(current_min), torch.relu(current_max)
+            c = obs.averaging_constant
+            min_val.copy_(torch.where(torch.isinf(min_val), current_min, min_val + c * (current_min - min_val)))
+            max_val.copy_(torch.where(torch.isinf(max_val), current_max, max_val + c * (current_max - max_val)))
+            if centres_on_zero(self):  # ZeroCenteredWeightRange
+                straddle_zero_(obs)
+    if not fake_quant:
+        return relu(X) if relu_first else X
+    if observe:
+        with torch.no_grad():
+            scale, zero_point = choose_qparams(min_val, max_val, qmin, qmax, self.is_symmetric_quant)
+            self.scale.copy_(scale)
+            self.zero_point.copy_(zero_point)
+            if torch.compiler.is_compiling():
+                scale, zero_point = _stored_once(scale), _stored_once(zero_point)
+    else:
+        # min/max do not move: the qparams the fused op would recompute are those of the last change, which
+        # sync_qparams computes outside the graph (in the compiled caller; here when eager)
+        if not torch.compiler.is_compiling():
+            sync_qparams(self)
+        scale, zero_point = self.scale, self.zero_point
+    if self.is_per_channel:
+        shape = [-1 if i == self.ch_axis else 1 for i in range(X.dim())]
+        scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
+    return fake_quantize(X, scale, zero_point, qmin, qmax, relu=relu_first)
+
+
+def sync_qparams(m: nn.Module) -> None:
+    """``scale`` / ``zero_point`` := ``choose_qparams(min_val, max_val)`` unless nothing changed since the last time.
+
+    What the fused op does at every call with fake-quant on; done once per change (buffer versions and
+    identities: a checkpoint load, a DDP broadcast or an observing step bumps them) instead of every step,
+    which in a compiled graph costs more than the rest of the fake-quant (measured: 13 ms of a 22 ms digits step).
+
+    Args:
+        m: the fused fake-quant; its ``scale`` / ``zero_point`` are written (resized for a per-channel one).
+    """
+    obs = m.activation_post_process
+    buffers = (obs.min_val, obs.max_val, m.scale, m.zero_point)
+    key = tuple((id(b), b._version) for b in buffers)
+    if m.__dict__.get("_qlightning_qparams_key") == key:
+        return
+    with torch.no_grad():
+        scale, zero_point = choose_qparams(obs.min_val, obs.max_val, obs.quant_min, obs.quant_max, m.is_symmetric_quant)
+        if m.scale.numel() != scale.numel():  # a per-channel fake-quant before its first observation
+            m.scale.resize_(scale.shape)
+            m.zero_point.resize_(zero_point.shape)
+        m.scale.copy_(scale)
+        m.zero_point.copy_(zero_point)
+    m.__dict__["_qlightning_qparams_key"] = tuple((id(b), b._version) for b in buffers)
+
+
+def _size_per_channel(m: nn.Module, channels: int) -> None:
+    """What the fused op does to empty per-channel buffers at its first observation (+-inf, 1.0, 0)."""
+    obs = m.activation_post_process
+    obs.min_val.resize_(channels).fill_(float("inf"))
+    obs.max_val.resize_(channels).fill_(float("-inf"))
+    m.scale.resize_(channels).fill_(1.0)
+    m.zero_point.resize_(channels).zero_()
+
+
+def stock_fused_fake_quant(m: nn.Module) -> bool:
+    """A fused moving-average fake-quant (torch.ao's or torchao's) whose forward is its class's own or
+    :class:`~qlightning.engines.base.ZeroCenteredWeightRange`'s, which :func:`traceable_forward` reproduces.
+
+    Args:
+        m: any module.
+    """
+    if not is_fused_fake_quant(m):
+        return False
+    owner = next(c for c in type(m).__mro__ if "forward" in c.__dict__)
+    return owner.__name__ in ("FusedMovingAvgObsFakeQuantize", "ZeroCenteredWeightRange")
+
+
+def is_traceable(m: nn.Module) -> bool:
+    """Whether :func:`make_traceable` gave ``m`` :func:`traceable_forward`.
+
+    Args:
+        m: any module.
+    """
+    return getattr(m.__dict__.get("forward"), "__func__", None) is traceable_forward
+
+
+def traceable_fake_quants(module: nn.Module) -> Iterator[nn.Module]:
+    """The fake-quants of ``module`` that :func:`make_traceable` gave :func:`traceable_forward`.
+
+    Args:
+        module: the prepared module whose submodules are searched.
+    """
+    for m in module.modules():
+        if is_traceable(m):
+            yield m
+
+
+def make_traceable(module: nn.Module, eligible: Callable[[nn.Module], bool] = stock_fused_fake_quant) -> list[nn.Module]:
+    """Give every eligible fake-quant of ``module`` :func:`traceable_forward`; return them.
+
+    Per-channel buffers are sized to their channels first (the fused op does it at its first observation,
+    with the same +-inf / 1.0 / 0 fill), so that the traced graph never resizes a buffer. An instance forward
+    the engine's eager path had given the fake-quant is kept for :func:`restore_fake_quants`.
+
+    Args:
+        module: the prepared module; a per-channel fake-quant's channel count is read from what it quantizes
+            (a weight, or a graph node's recorded shape).
+        eligible: which fake-quants qualify (default :func:`stock_fused_fake_quant`).
+    """
+    channels = {id(fq): shape[getattr(fq, "ch_axis", 0)] for fq, shape in _per_channel_inputs(module)
+                if getattr(fq, "is_per_channel", False) and len(shape) > getattr(fq, "ch_axis", 0)}
+    made = []
+    for m in module.modules():
+        if is_traceable(m) or not eligible(m):
+            continue
+        if m.is_per_channel:
+            count = channels.get(id(m), m.activation_post_process.min_val.numel())
+            m.__dict__["_qlightning_channels"] = count
+            if m.activation_post_process.min_val.numel() == 0:
+                _size_per_channel(m, count)
+        if "forward" in m.__dict__:
+            m.__dict__["_qlightning_eager_forward"] = m.__dict__["forward"]
+        m.forward = types.MethodType(traceable_forward, m)
+        m.__dict__["_qlightning_flags"] = _flags(m)
+        made.append(m)
+    return made
+
+
+def restore_fake_quants(module: nn.Module) -> int:
+    """Undo :func:`make_traceable`: each fake-quant's forward is what it was before; return how many.
+
+    Args:
+        module: the module (and its submodules) to restore.
+    """
+    count = 0
+    for m in list(traceable_fake_quants(module)):
+        del m.forward
+        eager = m.__dict__.pop("_qlightning_eager_forward", None)
+        if eager is not None:
+            m.forward = eager
+        for key in ("_qlightning_flags", "_qlightning_channels", "_qlightning_qparams_key"):
+            m.__dict__.pop(key, None)
+        count += 1
+    return count
+
+
+def _refresh_flags(fake_quants: list[nn.Module]) -> None:
+    """The buffers are the truth (checkpoints, broadcasts, torch.ao's own enable_* write them): copy their
+    flags where dynamo guards on them, and re-size per-channel buffers an observer reset emptied."""
+    for m in fake_quants:
+        m.__dict__["_qlightning_flags"] = observe, fake_quant = _flags(m)
+        channels = m.__dict__.get("_qlightning_channels")
+        if channels is not None and m.activation_post_process.min_val.numel() != channels:
+            _size_per_channel(m, channels)
+        if fake_quant and not observe:
+            sync_qparams(m)
+
+
+def _batch_dims_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Let dim 0 of the tensor inputs vary in the compiled graph from the first compile on.
+
+    Otherwise dynamo specializes the first graph to the batch size and recompiles when an epoch's last, smaller
+    batch arrives, in every phase, for as long as the first compile or longer (the observing phase: 42 s, then
+    42 s again for the digits CNN; 170 s, then 187 s for the ResNet-18-like net on this CPU; notes/perf.md section
+    27). ``maybe_mark_dynamic`` leaves a dimension static where the model needs it to be; a batch under 16 still
+    recompiles once, as convolution's shape function guards on ``16 <= batch``.
+    """
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(value, 0)
+
+
+
+
+def compile_training_forward(module: nn.Module, fake_quants: list[nn.Module], **compile_kwargs: Any) -> None:
+    """Training forwards of ``module`` run compiled (eval, and forwards without grad, stay eager).
+
+    ``module.forward`` becomes a dispatcher that refreshes the fake-quants' flags from their buffers and calls a
+    ``torch.compile`` of the class forward in training mode, its inputs' batch dimension dynamic (one graph a
+    phase whatever the batch size). A graph module's class forward is regenerated whenever its graph is
+    rewritten (PT2E switches BatchNorm and dropout nodes in place for train/eval and the BatchNorm freeze): one
+    compiled function per generated code, so each distinct graph compiles once, however often the modes switch
+    back and forth. A deep copy of ``module`` runs eagerly: the dispatcher only compiles for the module it was
+    made for. Undone by :func:`uncompile`.
+
+    Args:
+        module: the prepared module, its fake-quants already traceable (:func:`make_traceable`).
+        fake_quants: those fake-quants (their flags are read before every compiled call).
+        compile_kwargs: keyword arguments of ``torch.compile``.
+    """
+    owner = id(module)
+    compiled: dict[Any, Callable[..., Any]] = {}
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if id(self) == owner and self.training and torch.is_grad_enabled():
+            _refresh_flags(fake_quants)
+            _batch_dims_dynamic(args, kwargs)
+            code = self.__dict__.get("_code")  # a GraphModule's generated source; None for other modules
+            function = compiled.get(code)
+            if function is None:
+                function = compiled[code] = torch.compile(types.MethodType(type(self).forward, self), **compile_kwargs)
+            return function(*args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+
+    module.__dict__["_qlightning_compiled"] = forward
+    module.forward = types.MethodType(forward, module)
+
+
+def uncompile(module: nn.Module) -> None:
+    """Undo :func:`compile_training_forward` on ``module`` and its submodules (the fake-quants stay traceable).
+
+    Args:
+        module: the module whose dispatcher is removed.
+    """
+    for m in module.modules():
+        if m.__dict__.pop("_qlightning_compiled", None) is not None:
+            m.__dict__.pop("forward", None)
