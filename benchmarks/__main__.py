@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     # scaling
     parser.add_argument("--batches", default="1,32,64", help="steps: comma-separated batch sizes")
     parser.add_argument("--blocks", default="10,50,200")
-    parser.add_argument("--engines", default="fx")
+    parser.add_argument("--engines", default="fx", help="scaling, compile, fit: comma-separated engines (fx, pt2e; default fx)")
     parser.add_argument("--profile", action="store_true", help="scaling: cProfile the largest size instead")
     parser.add_argument("--sort", default="cumulative")
     # profile
@@ -503,7 +503,8 @@ def main(argv: list[str] | None = None) -> None:
         epochs = tuple(int(e) for e in args.epochs.split(",")) if args.epochs else (3, 10, 30)
         models = tuple(args.models.split(",")) if args.models else suites.FIT_MODELS
         result = {"machine": machine(args), "fits": suites.fit_wall_times(epochs, args.repeats or 3, models,
-                                                                                    fresh_process=args.process == "fresh")}
+                                                                                    fresh_process=args.process == "fresh",
+                                                                                    engines=tuple(args.engines.split(",")))}
         path = Path(args.out).with_suffix(".json") if args.out else RESULTS / f"fit-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result["fits"], indent=2))

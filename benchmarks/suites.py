@@ -254,6 +254,8 @@ FIT_VARIANTS = {
     "float": None,
     "QAT, defaults": {},
     "QAT, compile=on": {"engine_options": {"compile": "on"}},
+    "QAT PT2E, defaults": {"engine": "pt2e"},
+    "QAT PT2E, compile=on": {"engine": "pt2e", "engine_options": {"compile": "on"}},
 }
 
 
@@ -299,7 +301,8 @@ def _fit_in_fresh_process(model: str, epochs: int, variant: str) -> tuple[float,
 
 
 def fit_wall_times(epochs: tuple[int, ...] = (3, 10, 30), repeats: int = 3, models: tuple[str, ...] = FIT_MODELS,
-                   compile_from_epochs: int = 30, fresh_process: bool = True) -> dict[str, Any]:
+                   compile_from_epochs: int = 30, fresh_process: bool = True,
+                   engines: tuple[str, ...] = ("fx",)) -> dict[str, Any]:
     """Wall time of a whole ``Trainer.fit`` on digits: float, with the callback's defaults, and (for fits of at
     least ``compile_from_epochs`` epochs) with ``engine_options.compile=on``; each QAT fit over the float fit of
     the same length (medians of ``repeats``, variants interleaved), on the wall clock and in process CPU time.
@@ -315,12 +318,14 @@ def fit_wall_times(epochs: tuple[int, ...] = (3, 10, 30), repeats: int = 3, mode
         fresh_process: each fit in a new Python process (torch and Lightning imported before the clock
             starts), as a user's run is: what a first fit imports or builds once is counted. ``False``: all
             fits in this process, so only the first pays it (the figures before stop 48).
+        engines: the engines whose QAT variants run (``fx``: the defaults' engine; ``pt2e``).
     """
     fit = _fit_in_fresh_process if fresh_process else one_fit
     out: dict[str, Any] = {}
     for model in models:
         for n in epochs:
-            variants = [v for v in FIT_VARIANTS if "compile" not in v or n >= compile_from_epochs]
+            variants = [v for v in FIT_VARIANTS if ("compile" not in v or n >= compile_from_epochs)
+                        and (v == "float" or ("pt2e" if "PT2E" in v else "fx") in engines)]
             times: dict[str, list[float]] = {k: [] for k in variants}
             cpu_times: dict[str, list[float]] = {k: [] for k in variants}
             for _ in range(repeats):
