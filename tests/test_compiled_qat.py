@@ -338,7 +338,9 @@ def test_auto_times_eager_steps_then_compiles_a_run_long_enough(monkeypatch):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             steps.append((trainer.global_step, len(calls)))
 
-    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"step": 3}, observer_freeze={"step": 10})
+    # BatchNorm frozen from fake-quant start: while its statistics train, auto stays eager (the test below)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"step": 3}, bn_freeze={"step": 3},
+                                    observer_freeze={"step": 10})
     trainer = make_trainer([Steps(), qat], max_epochs=-1, max_steps=12, limit_val_batches=0)
     trainer.fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
     assert len(calls) == 1 and isinstance(calls[0], torch.fx.GraphModule)
@@ -354,3 +356,57 @@ def test_auto_stays_eager_on_a_short_fit():
     make_trainer([qat], max_epochs=-1, max_steps=12, limit_val_batches=0).fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
     choice = qat.session.compile_choice
     assert not choice["compiled"] and "compile(s)" in choice["reason"] and choice["eager_step_ms"] > 0
+
+
+class ConvBnFold(torch.nn.Module):
+    """The conv-bn QAT fold as torch.ao's ``ConvBn2d`` and torchao's PT2E pattern compute it: the weight scaled by
+    gamma / sqrt(running_var + eps), the conv output scaled back, then a training batch_norm, which updates
+    running_var in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 4, 3, 3))
+        self.bn = torch.nn.BatchNorm2d(8, momentum=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.bn.weight / torch.sqrt(self.bn.running_var + self.bn.eps)
+        y = torch.nn.functional.conv2d(x, self.weight * scale.reshape(-1, 1, 1, 1)) / scale.reshape(1, -1, 1, 1)
+        return torch.nn.functional.batch_norm(y, self.bn.running_mean, self.bn.running_var, self.bn.weight,
+                                              self.bn.bias, True, self.bn.momentum, self.bn.eps)
+
+
+def test_inductor_backward_of_the_conv_bn_fold_reads_the_updated_running_variance():
+    """Why ``auto`` stays eager while BatchNorm statistics train (``COMPILED_BATCH_NORM_DEFECT``). The fold's
+    scale cancels in the output, so the weight's gradient of a per-channel weighted sum after batch_norm is ~0
+    eagerly; inductor's backward scales by the variance after the update and gets a large one. When this test
+    fails, torch has fixed it: drop the guard in ``QuantizationAwareTraining._settle_compile``."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    module, x = ConvBnFold(), torch.randn(16, 4, 8, 8) * 3
+    grads = []
+    for compiled in (False, True):
+        m = copy.deepcopy(module)
+        f = torch.compile(m) if compiled else m
+        (f(x) * torch.arange(8.0).reshape(1, -1, 1, 1)).sum().backward()
+        grads.append(float(m.weight.grad.abs().sum()))
+    torch._dynamo.reset()
+    assert grads[0] < 1e-2 and grads[1] > 1.0, grads
+
+
+def test_auto_stays_eager_and_on_warns_while_batch_norm_statistics_train(monkeypatch):
+    from qlightning.core import compile_choice
+
+    monkeypatch.setattr(compile_choice, "compile_seconds", lambda fake_quants, compiles: 0.0)  # compiling "pays"
+    pl.seed_everything(0)
+    qat = QuantizationAwareTraining(modules=["net"], fake_quant_start={"step": 3}, observer_freeze={"step": 10})
+    make_trainer([qat], max_epochs=-1, max_steps=12, limit_val_batches=0).fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
+    choice = qat.session.compile_choice
+    assert not choice["compiled"] and "BatchNorm statistics train" in choice["reason"], choice
+    calls = []
+    from qlightning.engines.fx.engine import FxEngine
+
+    monkeypatch.setattr(FxEngine, "compile_training", lambda self, module: calls.append(module) or True)
+    qat = QuantizationAwareTraining(modules=["net"], engine_options={"compile": "on"})
+    with pytest.warns(UserWarning, match=r"compile=on with BatchNorm statistics training: torch.compile's backward"):
+        make_trainer([qat], max_epochs=-1, max_steps=2, limit_val_batches=0).fit(DigitsClassifier(), datamodule=DigitsDataModule(seed=0))
+    assert len(calls) == 1 and qat.session.compile_choice["compiled"]

@@ -172,12 +172,13 @@ class QuantEngine(ABC):
         """
         return spec
 
-    def compile_training(self, module: nn.Module) -> bool:
+    def compile_training(self, module: nn.Module, **compile_kwargs: Any) -> bool:
         """Run the training forwards of a prepared module through ``torch.compile``, with the same state and
         the same int8 model; False where this engine has no compiled path. Undone by :meth:`decompile`.
 
         Args:
             module: a module this engine prepared.
+            compile_kwargs: keyword arguments of ``torch.compile`` (``backend=...``).
         """
         return False
 

@@ -813,16 +813,17 @@ class FxEngine(QuantEngine):
             settle_fake_quant_state(prepared)  # no evaluation before training may move a buffer (base.py)
         return prepared
 
-    def compile_training(self, module: nn.Module) -> bool:
+    def compile_training(self, module: nn.Module, **compile_kwargs: Any) -> bool:
         """Training forwards through ``torch.compile`` with traceable fake-quants (``compiled.py``).
 
         Args:
             module: the prepared module; the fast fake-quant forwards are restored to torch.ao's first.
+            compile_kwargs: keyword arguments of ``torch.compile``.
         """
         from qlightning.engines.fx.compiled import compile_for_training
 
         restore_fake_quant(module)  # the eager fast path reads flags on the host and packs masks with numpy
-        compile_for_training(module)
+        compile_for_training(module, **compile_kwargs)
         return True
 
     def decompile(self, module: nn.Module) -> None:

@@ -1177,7 +1177,7 @@ class Pt2eEngine(QuantEngine):
 
     # ------------------------------------------------------------------ compiled training
 
-    def compile_training(self, module: nn.Module) -> bool:
+    def compile_training(self, module: nn.Module, **compile_kwargs: Any) -> bool:
         """Training forwards through ``torch.compile``, torchao's fused fake-quants in traceable tensor ops
         (:mod:`qlightning.engines.traceable`, shared with the FX engine).
 
@@ -1187,9 +1187,10 @@ class Pt2eEngine(QuantEngine):
 
         Args:
             module: the prepared GraphModule; an earlier compile is undone first.
+            compile_kwargs: keyword arguments of ``torch.compile``.
         """
         self.decompile(module)
-        compile_training_forward(module, make_traceable(module))
+        compile_training_forward(module, make_traceable(module), **compile_kwargs)
         return True
 
     def decompile(self, module: nn.Module) -> None:
