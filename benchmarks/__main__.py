@@ -33,6 +33,7 @@ Examples::
     python -m benchmarks accuracy                # digits int8 accuracy, torch.ao vs fast path, 3 seeds
     python -m benchmarks options --model transformer --off fast_linear   # A/B of engine options
     python -m benchmarks compile                 # the compiled QAT path (engine_options.compile) vs eager and compiled float
+    python -m benchmarks compile --engines fx,pt2e --models digits_cnn   # ... the PT2E engine's beside the FX engine's
     python -m benchmarks fit                     # wall time of whole Trainer.fit runs: float, QAT defaults, compile=on
     python -m benchmarks peers --out benchmarks/results/peers   # NNCF, Brevitas, ModelOpt, torchao PT2E beside qlightning (bench extra)
     PYTHONPATH=. .venv214/bin/python -m benchmarks int8 --models shufflenet_v2_x0_5 --threads 2   # zoo int8 latency A/B
