@@ -173,7 +173,6 @@ def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str, engines: tup
     first two calls (the compile: forward + backward graphs) are timed on the wall clock and reported apart.
     ``engines`` with ``pt2e``: the PT2E engine's eager and compiled paths too.
     """
-    from qlightning import get_engine
     from qlightning.engines.fx.compiled import compile_for_training
 
     torch.manual_seed(0)
@@ -181,10 +180,10 @@ def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str, engines: tup
     x, y = spec.inputs(spec.train_batch), spec.labels(spec.train_batch)
     example = x[:1]
 
-    def frozen(module: nn.Module) -> nn.Module:
+    def frozen(module: nn.Module, engine: str = "fx") -> nn.Module:
         with torch.no_grad():
             module(x)  # observers calibrated once, then frozen (the late QAT phase)
-        return set_phase(module, QAT_FROZEN)
+        return set_phase(module, QAT_FROZEN, engine)
 
     variants: dict[str, nn.Module] = {"float": float_model}
     compiled_float = copy.deepcopy(float_model)
@@ -199,20 +198,15 @@ def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str, engines: tup
         compile_for_training(module)
         variants[label] = frozen(module) if frozen_phase else module
     if "pt2e" in engines:
-        pt2e = get_engine("pt2e")
+        def pt2e_prepared() -> nn.Module:
+            return set_phase(qlightning_prepare(copy.deepcopy(float_model), example, "pt2e"), QAT_ON, "pt2e")
 
-        def pt2e_frozen(module: nn.Module) -> nn.Module:
-            with torch.no_grad():
-                module(x)
-            return set_phase(module, QAT_FROZEN, "pt2e")
-
-        variants["qlightning PT2E"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, "pt2e"), QAT_ON, "pt2e")
-        variants["qlightning PT2E, frozen"] = pt2e_frozen(
-            set_phase(qlightning_prepare(copy.deepcopy(float_model), example, "pt2e"), QAT_ON, "pt2e"))
+        variants["qlightning PT2E"] = pt2e_prepared()
+        variants["qlightning PT2E, frozen"] = frozen(pt2e_prepared(), "pt2e")
         for label, frozen_phase in (("qlightning PT2E compiled", False), ("qlightning PT2E compiled, frozen", True)):
-            module = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, "pt2e"), QAT_ON, "pt2e")
-            pt2e.compile_training(module)
-            variants[label] = pt2e_frozen(module) if frozen_phase else module
+            module = pt2e_prepared()
+            get_engine("pt2e").compile_training(module)
+            variants[label] = frozen(module, "pt2e") if frozen_phase else module
     fns = {name: train_step(m, x, y) for name, m in variants.items()}
     compile_s = {}
     for name, fn in fns.items():

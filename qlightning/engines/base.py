@@ -297,6 +297,21 @@ def _per_channel_inputs(module: nn.Module) -> Iterator[tuple[nn.Module, tuple[in
                 yield m.get_submodule(str(node.target)), tuple(shape)
 
 
+def per_channel_counts(module: nn.Module) -> dict[int, int]:
+    """``{id(fake-quant): channels}`` for the per-channel fake-quants of ``module`` whose input shape is known
+    (:func:`_per_channel_inputs`): the size of the input along the fake-quant's ``ch_axis``.
+
+    Args:
+        module: a prepared module.
+    """
+    counts: dict[int, int] = {}
+    for fq, shape in _per_channel_inputs(module):
+        axis = getattr(fq, "ch_axis", 0)
+        if getattr(fq, "is_per_channel", False) and len(shape) > axis:
+            counts[id(fq)] = int(shape[axis])
+    return counts
+
+
 def check_batch_norm_gammas(module: nn.Module) -> None:
     """Refuse QAT on a model with BatchNorm weights (gamma) that are exactly zero, naming them.
 
@@ -610,11 +625,7 @@ def settle_fake_quant_state(module: nn.Module) -> int:
     Args:
         module: a freshly prepared module.
     """
-    sizes: dict[int, int] = {}
-    for fq, shape in _per_channel_inputs(module):
-        axis = getattr(fq, "ch_axis", 0)
-        if getattr(fq, "is_per_channel", False) and len(shape) > axis:
-            sizes[id(fq)] = int(shape[axis])
+    sizes = per_channel_counts(module)
     settled = 0
     for fq in module.modules():
         if not is_fused_fake_quant(fq):

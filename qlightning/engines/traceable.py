@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from qlightning.engines.base import _per_channel_inputs, centres_on_zero, is_fused_fake_quant, straddle_zero_
+from qlightning.engines.base import centres_on_zero, is_fused_fake_quant, per_channel_counts, straddle_zero_
 
 # ATen/native/quantized/cpu/QuantUtils.h: constexpr float SMALL_SCALE_THRESHOLD = 6.1e-5f
 SMALL_SCALE_THRESHOLD = float(torch.tensor(6.1e-5, dtype=torch.float32))
@@ -287,8 +287,7 @@ def make_traceable(module: nn.Module, eligible: Callable[[nn.Module], bool] = st
             (a weight, or a graph node's recorded shape).
         eligible: which fake-quants qualify (default :func:`stock_fused_fake_quant`).
     """
-    channels = {id(fq): shape[getattr(fq, "ch_axis", 0)] for fq, shape in _per_channel_inputs(module)
-                if getattr(fq, "is_per_channel", False) and len(shape) > getattr(fq, "ch_axis", 0)}
+    channels = per_channel_counts(module)
     made = []
     for m in module.modules():
         if is_traceable(m) or not eligible(m):
