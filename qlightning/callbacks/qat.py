@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -25,7 +24,7 @@ from qlightning.callbacks.distributed import (
 )
 from qlightning.callbacks.pruning import name_pruned_parameters, repoint_pruning
 from qlightning.core.inputs import RandomStates, as_inputs
-from qlightning.core.compile_choice import COMPILED_BATCH_NORM_DEFECT, CompileDecider, phases_left
+from qlightning.core.compile_choice import CompileDecider, phases_left
 from qlightning.core.fidelity import FidelityConfig, ModuleFidelity, apply_on_breach, compare_modules
 from qlightning.core.schedule import AUTO, AutoSchedule, Milestone, MilestoneLike, Phase, Schedule, unreachable
 from qlightning.core.session import QuantSession, set_submodule
@@ -439,7 +438,7 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
         processes = trainer.world_size if trainer is not None else 1
         self._compiler = CompileDecider(compile_mode(self.spec.options), self.engine.compiles_training, processes)
         if not self._compiler.pending:
-            self._settle_compile(pl_module, self.schedule.phase(0, 0))
+            self._settle_compile(pl_module)
         if self.auto_schedule is not None and self.schedule.fake_quant_start == _AUTO_PENDING:
             schedule = "schedule: derived from the run's length when training starts"  # not the placeholder's step 2**62
         else:
@@ -450,22 +449,9 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
             f"[qlightning] prepared {self.targets} for QAT ({self.engine.name} engine, {self.backend} backend); {schedule}"
         )
 
-    def _settle_compile(self, pl_module: "pl.LightningModule", phase: Phase) -> None:
-        """Record the compile choice (report, log) and compile the targets' training forwards if it says so.
-
-        While BatchNorm statistics train, a compiled conv-bn QAT step's gradients are not the eager step's
-        (:data:`COMPILED_BATCH_NORM_DEFECT`): ``auto`` stays eager there, ``on`` compiles and warns.
-        """
+    def _settle_compile(self, pl_module: "pl.LightningModule") -> None:
+        """Record the compile choice (report, log) and compile the targets' training forwards if it says so."""
         choice = self._compiler.choice
-        if choice.compiled and not phase.bn_frozen and self.session.has_batch_norm(pl_module):
-            if choice.mode == "auto":
-                choice = self._compiler.choice = dataclasses.replace(
-                    choice, compiled=False, reason=f"{choice.reason}; but BatchNorm statistics train in the compiled "
-                    f"steps, {COMPILED_BATCH_NORM_DEFECT}")
-            else:
-                rank_zero_warn(f"[qlightning] engine_options.compile=on with BatchNorm statistics training: "
-                               f"{COMPILED_BATCH_NORM_DEFECT}. compile=auto stays eager here; freezing BatchNorm "
-                               "(bn_freeze) before the compiled steps avoids it.")
         self.session.compile_choice = choice.to_dict()
         if choice.compiled:
             self.session.compile_training(pl_module)
@@ -484,7 +470,7 @@ class QuantizationAwareTraining(SessionCallback, RankZeroHandOver, Callback):
             left = None
         self._compiler.decide(left, phases_left(self.schedule, trainer.global_step, trainer.current_epoch),
                               self.session.fake_quant_count(pl_module))
-        self._settle_compile(pl_module, self.schedule.phase(trainer.global_step, trainer.current_epoch))
+        self._settle_compile(pl_module)
 
     # ------------------------------------------------------------------ schedule
 

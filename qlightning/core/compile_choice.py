@@ -34,16 +34,6 @@ LATER_COMPILE_FRACTION = 0.3
 TIMED_STEPS = 4
 
 
-#: Measured at stop 49 (notes/perf.md section 34): a graph that reads a BatchNorm's running variance (the conv-bn
-#: QAT fold, torch.ao's ConvBn modules and torchao's PT2E pattern alike) and then runs a training batch_norm on
-#: the same buffers gets, compiled by inductor, a backward that recomputes the fold's scale from the running_var
-#: input AOT autograd saved, after the batch_norm's update was written into it, where eager autograd kept the value
-#: the forward used (torch 2.13; a 6-op conv + batch_norm module shows it).
-COMPILED_BATCH_NORM_DEFECT = ("torch.compile's backward of the conv-bn fold reads BatchNorm buffers after the "
-                              "training batch_norm updated them, so conv and BatchNorm weight gradients differ from the "
-                              "eager step's (notes/perf.md section 34)")
-
-
 @dataclass(frozen=True)
 class CompileChoice:
     """What was decided and from which figures (the report and the log show it)."""

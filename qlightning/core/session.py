@@ -304,15 +304,6 @@ class QuantSession:
         """
         return all([self.engine.compile_training(module) for module in self.modules(root).values()])
 
-    def has_batch_norm(self, root: nn.Module) -> bool:
-        """Whether any target keeps BatchNorm running statistics (a buffer named ``running_var``).
-
-        Args:
-            root: the model.
-        """
-        return any(name.rpartition(".")[2] == "running_var"
-                   for module in self.modules(root).values() for name, _ in module.named_buffers())
-
     def fake_quant_count(self, root: nn.Module) -> int:
         """How many fake-quants the targets hold (what a compile of their training forwards grows with).
 

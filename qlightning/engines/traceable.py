@@ -25,7 +25,9 @@ inductor fuses it with its neighbours; the phase (observers, fake-quant) is a Py
 guards on, refreshed from the modules' flag buffers before every compiled call, so a phase change
 recompiles once instead of breaking the graph, and the buffers stay the single source of truth
 (checkpoints, DDP broadcasts, the libraries' own ``enable_observer``). The batch dimension is dynamic from the
-first compile, so an epoch's last, smaller batch does not compile again. A graph module whose graph is rewritten
+first compile, so an epoch's last, smaller batch does not compile again. A conv-bn fold reads BatchNorm's running
+variance through :func:`folded_variance`, compiled from a snapshot the dispatcher takes before each call (AOT
+autograd's backward otherwise read it after the training batch_norm had updated it in place). A graph module whose graph is rewritten
 (PT2E's BatchNorm freeze and train/eval switches regenerate its code) gets one compiled function per generated
 code. Compiled results differ from eager by float rounding (inductor reorders reductions), as compiled float
 training does.
@@ -38,7 +40,7 @@ imported here: the engines say which fake-quants qualify.
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -335,6 +337,36 @@ def _refresh_flags(fake_quants: list[nn.Module]) -> None:
             sync_qparams(m)
 
 
+def folded_variance(running_var: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
+    """The running variance a conv-bn (or linear-bn) QAT fold scales the weight by: ``running_var`` eagerly;
+    compiled, ``snapshot``, the copy :func:`compile_training_forward` takes before each compiled call.
+
+    The fold reads the variance, then the training ``batch_norm`` updates it in place. Eager autograd keeps the
+    value the forward read. AOT autograd's partitioned forward saves the ``running_var`` input itself for the
+    backward and writes the update into it, so the compiled backward recomputed the fold's scale from the updated
+    variance: conv and BatchNorm weight gradients off by 5 % on the digits CNN, 20 % on resnet18 (torch 2.13 and
+    2.14, notes/perf.md sections 34-35). A graph input that nothing in the graph writes is saved as it was read.
+
+    Args:
+        running_var: the BatchNorm's running variance, which its training ``batch_norm`` updates.
+        snapshot: a copy of it taken before the call, which nothing in the graph writes.
+    """
+    return snapshot if torch.compiler.is_compiling() else running_var
+
+
+def _take_snapshots(module: nn.Module, snapshots: Sequence[tuple[str, str]]) -> None:
+    """Each ``(source, target)`` buffer path of ``module``: ``target`` := a fresh copy of ``source``.
+
+    A new tensor each call rather than a ``copy_``: the previous call's backward may still hold the old one (a
+    module called twice before one ``backward``), and autograd refuses a saved tensor written since.
+    """
+    with torch.no_grad():
+        for source, target in snapshots:
+            owner, _, name = target.rpartition(".")
+            holder = module.get_submodule(owner) if owner else module
+            holder._buffers[name] = module.get_buffer(source).detach().clone()
+
+
 def _batch_dims_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Let dim 0 of the tensor inputs vary in the compiled graph from the first compile on.
 
@@ -351,7 +383,8 @@ def _batch_dims_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 
 
-def compile_training_forward(module: nn.Module, fake_quants: list[nn.Module], **compile_kwargs: Any) -> None:
+def compile_training_forward(module: nn.Module, fake_quants: list[nn.Module], snapshots: Sequence[tuple[str, str]] = (),
+                             **compile_kwargs: Any) -> None:
     """Training forwards of ``module`` run compiled (eval, and forwards without grad, stay eager).
 
     ``module.forward`` becomes a dispatcher that refreshes the fake-quants' flags from their buffers and calls a
@@ -359,12 +392,15 @@ def compile_training_forward(module: nn.Module, fake_quants: list[nn.Module], **
     phase whatever the batch size). A graph module's class forward is regenerated whenever its graph is
     rewritten (PT2E switches BatchNorm and dropout nodes in place for train/eval and the BatchNorm freeze): one
     compiled function per generated code, so each distinct graph compiles once, however often the modes switch
-    back and forth. A deep copy of ``module`` runs eagerly: the dispatcher only compiles for the module it was
-    made for. Undone by :func:`uncompile`.
+    back and forth. Before each compiled call, the engine's snapshot buffers get fresh copies of the running
+    variances that its conv-bn folds read through :func:`folded_variance`. A deep copy of ``module`` runs
+    eagerly: the dispatcher only compiles for the module it was made for. Undone by :func:`uncompile`.
 
     Args:
         module: the prepared module, its fake-quants already traceable (:func:`make_traceable`).
         fake_quants: those fake-quants (their flags are read before every compiled call).
+        snapshots: ``(running variance, snapshot)`` buffer paths in ``module``, the snapshot the one a fold
+            reads compiled (:func:`folded_variance`).
         compile_kwargs: keyword arguments of ``torch.compile``.
     """
     owner = id(module)
@@ -373,6 +409,7 @@ def compile_training_forward(module: nn.Module, fake_quants: list[nn.Module], **
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if id(self) == owner and self.training and torch.is_grad_enabled():
             _refresh_flags(fake_quants)
+            _take_snapshots(self, snapshots)
             _batch_dims_dynamic(args, kwargs)
             code = self.__dict__.get("_code")  # a GraphModule's generated source; None for other modules
             function = compiled.get(code)

@@ -2,10 +2,12 @@
 
 The traceable fake-quant and the compiled dispatcher are both engines' (:mod:`qlightning.engines.traceable`, which
 says how and why). What is the FX engine's own: which fake-quants qualify (torch.ao's fused moving-average
-fake-quant and the default weight fake-quant built on it), and the ReLU modules of torch.ao's graph, each applied
+fake-quant and the default weight fake-quant built on it), the ReLU modules of torch.ao's graph, each applied
 inside the fake-quant after it where it is that fake-quant's only producer (the eager fast path's
 ``fuse_relu_fake_quant``), or given a float gradient mask (``torch.relu``'s own backward keeps a bool one,
-which inductor stores an element at a time).
+which inductor stores an element at a time), and torch.ao's conv-bn and linear-bn QAT modules, whose fold reads
+the running variance through :func:`~qlightning.engines.traceable.folded_variance` (compiled, a snapshot taken
+before the call: the compiled backward read it after the training batch_norm had updated it).
 
 Classes, buffers and ``state_dict`` keys stay torch.ao's, so ``convert_fx`` is unchanged; :func:`decompile`
 undoes everything (the engine calls it before converting).
@@ -17,6 +19,7 @@ import types
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qlightning.engines.fx.ao import quiet_torch_ao
@@ -24,6 +27,7 @@ from qlightning.engines.fx.fast_fq import CONV_BN_RELU, fuse_relu_fake_quant, un
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 from qlightning.engines.traceable import (
     compile_training_forward,
+    folded_variance,
     is_traceable,
     relu,
     restore_fake_quants,
@@ -33,7 +37,12 @@ from qlightning.engines.traceable import (
 from qlightning.engines.traceable import make_traceable as make_fake_quants_traceable
 
 with quiet_torch_ao():
+    from torch.ao.nn.intrinsic.qat import LinearBn1d
+    from torch.ao.nn.intrinsic.qat.modules.conv_fused import _ConvBnNd
     from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
+
+#: the snapshot buffer of a conv-bn or linear-bn module (non-persistent: not in ``state_dict``)
+FOLDED_VARIANCE = "_qlightning_folded_var"
 
 
 def _eligible(m: nn.Module) -> bool:
@@ -79,11 +88,86 @@ def _conv_bn_relu_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     return relu(self._forward(input))
 
 
+def _folds_from_snapshots(module: nn.Module) -> list[tuple[str, str]]:
+    """Give torch.ao's conv-bn and linear-bn QAT modules folds that read the running variance through
+    :func:`~qlightning.engines.traceable.folded_variance`, each with its snapshot buffer; return the
+    ``(running_var, snapshot)`` buffer paths for the compiled caller to refresh.
+
+    A module on torch.ao's slow path (``_enable_slow_path_for_better_numerical_stability``, never set here) keeps
+    its own forward.
+
+    Args:
+        module: the prepared module.
+    """
+    pairs = []
+    for name, m in module.named_modules():
+        if isinstance(m, _ConvBnNd) and not m._enable_slow_path_for_better_numerical_stability:
+            m._forward_approximate = types.MethodType(_conv_bn_fold, m)
+        elif isinstance(m, LinearBn1d):
+            m.forward = types.MethodType(_linear_bn_fold, m)
+        else:
+            continue
+        m.register_buffer(FOLDED_VARIANCE, m.bn.running_var.detach().clone(), persistent=False)
+        prefix = f"{name}." if name else ""
+        pairs.append((f"{prefix}bn.running_var", f"{prefix}{FOLDED_VARIANCE}"))
+    return pairs
+
+
+def _unfold_snapshots(module: nn.Module) -> None:
+    for m in module.modules():
+        if m._buffers.pop(FOLDED_VARIANCE, None) is not None:
+            m.__dict__.pop("_forward_approximate", None)
+            if getattr(m.__dict__.get("forward"), "__func__", None) is _linear_bn_fold:
+                del m.__dict__["forward"]
+
+
+def _conv_bn_fold(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """torch.ao's ``_ConvBnNd._forward_approximate`` (torch 2.13-2.15), the variance read through ``folded_variance``."""
+    running_std = torch.sqrt(folded_variance(self.bn.running_var, getattr(self, FOLDED_VARIANCE)) + self.bn.eps)
+    scale_factor = self.bn.weight / running_std
+    weight_shape = [1] * len(self.weight.shape)
+    weight_shape[0] = -1
+    bias_shape = [1] * len(self.weight.shape)
+    bias_shape[1] = -1
+    scaled_weight = self.weight_fake_quant(self.weight * scale_factor.reshape(weight_shape))
+    # zero bias: the conv's own is added after the scale is taken back out
+    if self.bias is not None:
+        zero_bias = torch.zeros_like(self.bias, dtype=input.dtype)
+    else:
+        zero_bias = torch.zeros(self.out_channels, device=scaled_weight.device, dtype=input.dtype)
+    conv = self._conv_forward(input, scaled_weight, zero_bias)
+    conv_orig = conv / scale_factor.reshape(bias_shape)
+    if self.bias is not None:
+        conv_orig = conv_orig + self.bias.reshape(bias_shape)
+    return self.bn(conv_orig)
+
+
+def _linear_bn_fold(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """torch.ao's ``LinearBn1d.forward`` (torch 2.13-2.15), the variance read through ``folded_variance``."""
+    running_std = torch.sqrt(folded_variance(self.bn.running_var, getattr(self, FOLDED_VARIANCE)) + self.bn.eps)
+    scale_factor = self.bn.weight / running_std
+    weight_shape = [1] * len(self.weight.shape)
+    weight_shape[0] = -1
+    bias_shape = [1] * len(self.weight.shape)
+    bias_shape[1] = -1
+    scaled_weight = self.weight_fake_quant(self.weight * scale_factor.reshape(weight_shape))
+    if self.bias is not None:
+        zero_bias = torch.zeros_like(self.bias)
+    else:
+        zero_bias = torch.zeros(self.out_features, device=scaled_weight.device)
+    linear_out = F.linear(input, scaled_weight, zero_bias)
+    linear_out_orig = linear_out / scale_factor.reshape(bias_shape)
+    if self.bias is not None:
+        linear_out_orig = linear_out_orig + self.bias.reshape(bias_shape)
+    return self.bn(linear_out_orig)
+
+
 def compile_for_training(module: nn.Module, **compile_kwargs: Any) -> int:
     """Training forwards of ``module`` run compiled (eval, and forwards without grad, stay eager).
 
     The fake-quants are made traceable (:func:`make_traceable`), then
-    :func:`~qlightning.engines.traceable.compile_training_forward`. Returns the number of traceable fake-quants.
+    :func:`~qlightning.engines.traceable.compile_training_forward`, the conv-bn and linear-bn folds reading their
+    running variances from snapshots. Returns the number of traceable fake-quants.
 
     Args:
         module: the prepared module; any earlier compile is undone first (:func:`decompile`).
@@ -91,7 +175,8 @@ def compile_for_training(module: nn.Module, **compile_kwargs: Any) -> int:
     """
     decompile(module)
     count = make_traceable(module)
-    compile_training_forward(module, list(traceable_fake_quants(module)), **compile_kwargs)
+    snapshots = _folds_from_snapshots(module)
+    compile_training_forward(module, list(traceable_fake_quants(module)), snapshots, **compile_kwargs)
     return count
 
 
@@ -102,6 +187,7 @@ def decompile(module: nn.Module) -> int:
         module: the module (and its submodules) to restore to their class forwards.
     """
     uncompile(module)
+    _unfold_snapshots(module)
     if any(True for _ in traceable_fake_quants(module)):  # the ReLUs fused by make_traceable (a module on the eager fast path keeps the fast path's)
         unfuse_relu_fake_quant(module)
     for m in module.modules():

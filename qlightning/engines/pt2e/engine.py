@@ -49,7 +49,9 @@ from qlightning.engines.base import (
     trained_qparams, x86_u8s8_pair_sums,
 )
 from qlightning.engines.names import plain, resolve_reference
-from qlightning.engines.traceable import compile_training_forward, make_traceable, restore_fake_quants, uncompile
+from qlightning.engines.traceable import (
+    compile_training_forward, folded_variance, make_traceable, restore_fake_quants, uncompile,
+)
 from qlightning.core.quiet import quiet
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
 from qlightning.core.schedule import Phase
@@ -322,6 +324,67 @@ def _rewrite_modes(gm: torch.fx.GraphModule, training: bool) -> None:
         if changed:
             sub.recompile()
         _MODES_SET[sub] = (sub.code, bool(training), bool(bn_training))
+
+
+#: the suffix of a snapshot buffer of a BatchNorm's running variance (non-persistent: not in ``state_dict``)
+_FOLDED_VARIANCE = "_qlightning_folded"
+
+
+def _folds_from_snapshots(module: nn.Module) -> list[tuple[str, str]]:
+    """Route the reads of a BatchNorm's running variance other than the batch_norm node's own (the conv-bn QAT
+    fold's ``sqrt(running_var + eps)``) through :func:`~qlightning.engines.traceable.folded_variance` and a
+    snapshot buffer, in every graph of ``module``; return the ``(running_var, snapshot)`` buffer paths for the
+    compiled caller to refresh. Undone by :func:`_unfold_snapshots` (torchao's convert matches the fold with one
+    placeholder for both reads).
+
+    Args:
+        module: the prepared module.
+    """
+    pairs = []
+    for path, gm in module.named_modules():
+        if not isinstance(gm, torch.fx.GraphModule):
+            continue
+        prefix, changed = f"{path}." if path else "", False
+        for bn in list(gm.graph.nodes):
+            if bn.op != "call_function" or bn.target not in _BATCH_NORM_OPS:
+                continue
+            var = bn.args[4]
+            if not isinstance(var, torch.fx.Node) or var.op != "get_attr":
+                continue
+            readers = [u for u in var.users if u.target not in _BATCH_NORM_OPS and u.target is not folded_variance]
+            name = f"{str(var.target).replace('.', '_')}{_FOLDED_VARIANCE}"
+            if not readers or name in gm._buffers:
+                continue
+            gm.register_buffer(name, gm.get_buffer(str(var.target)).detach().clone(), persistent=False)
+            with gm.graph.inserting_after(var):
+                snapshot = gm.graph.get_attr(name)
+            with gm.graph.inserting_after(snapshot):
+                read = gm.graph.call_function(folded_variance, (var, snapshot))
+            for user in readers:
+                user.replace_input_with(var, read)
+            pairs.append((f"{prefix}{var.target}", f"{prefix}{name}"))
+            changed = True
+        if changed:
+            gm.recompile()
+    return pairs
+
+
+def _unfold_snapshots(module: nn.Module) -> None:
+    for gm in module.modules():
+        if not isinstance(gm, torch.fx.GraphModule):
+            continue
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target is folded_variance:
+                var, snapshot = node.args
+                node.replace_all_uses_with(var)
+                gm.graph.erase_node(node)
+                if not snapshot.users:
+                    gm.graph.erase_node(snapshot)
+                    gm._buffers.pop(str(snapshot.target), None)
+                changed = True
+        if changed:
+            gm.recompile()
 
 
 class _ExportedTrainEval:
@@ -1183,14 +1246,16 @@ class Pt2eEngine(QuantEngine):
 
         Unlike torch.ao's, torchao's fake-quants are not on dynamo's skip list, but their fused op reads its
         flags on the host. The exported graph's ReLUs stay ``aten.relu``; the BatchNorm freeze and train/eval
-        rewrite the graph's BatchNorm nodes, and each distinct graph compiles once.
+        rewrite the graph's BatchNorm nodes, and each distinct graph compiles once. The conv-bn fold reads the
+        running variance from a snapshot taken before each compiled call (:func:`_folds_from_snapshots`).
 
         Args:
             module: the prepared GraphModule; an earlier compile is undone first.
             compile_kwargs: keyword arguments of ``torch.compile``.
         """
         self.decompile(module)
-        compile_training_forward(module, make_traceable(module), **compile_kwargs)
+        fake_quants = make_traceable(module)
+        compile_training_forward(module, fake_quants, _folds_from_snapshots(module), **compile_kwargs)
         return True
 
     def decompile(self, module: nn.Module) -> None:
@@ -1200,6 +1265,7 @@ class Pt2eEngine(QuantEngine):
             module: the prepared module.
         """
         uncompile(module)
+        _unfold_snapshots(module)
         restore_fake_quants(module)
 
     # ------------------------------------------------------------------ convert
