@@ -101,6 +101,8 @@ def _folds_from_snapshots(module: nn.Module) -> list[tuple[str, str]]:
     """
     pairs = []
     for name, m in module.named_modules():
+        if not isinstance(m, (_ConvBnNd, LinearBn1d)) or m.bn.running_var is None:  # torch.ao refuses the latter
+            continue
         if isinstance(m, _ConvBnNd) and not m._enable_slow_path_for_better_numerical_stability:
             m._forward_approximate = types.MethodType(_conv_bn_fold, m)
         elif isinstance(m, LinearBn1d):
@@ -114,6 +116,7 @@ def _folds_from_snapshots(module: nn.Module) -> list[tuple[str, str]]:
 
 
 def _unfold_snapshots(module: nn.Module) -> None:
+    """Undo :func:`_folds_from_snapshots`: torch.ao's own folds, no snapshot buffers."""
     for m in module.modules():
         if m._buffers.pop(FOLDED_VARIANCE, None) is not None:
             m.__dict__.pop("_forward_approximate", None)

@@ -370,6 +370,7 @@ def _folds_from_snapshots(module: nn.Module) -> list[tuple[str, str]]:
 
 
 def _unfold_snapshots(module: nn.Module) -> None:
+    """Undo :func:`_folds_from_snapshots`: every fold reads ``running_var`` again; the snapshot buffers are gone."""
     for gm in module.modules():
         if not isinstance(gm, torch.fx.GraphModule):
             continue
