@@ -24,7 +24,9 @@ from qlightning.engines.fx.fast_fq import restore_fake_quant
 from qlightning.engines.fx.compiled import compile_for_training, decompile, make_traceable
 from qlightning.engines import Inputs, QuantSpec
 from qlightning.engines.base import is_fused_fake_quant
-from qlightning.engines.traceable import choose_qparams, compile_training_forward, fake_quantize, restore_fake_quants
+from qlightning.engines.traceable import (
+    choose_qparams, compile_training_forward, fake_quantize, folded_variance, restore_fake_quants,
+)
 from qlightning.engines.traceable import make_traceable as make_fake_quants_traceable
 from qlightning.examples.digits import DigitsCNN
 from qlightning.errors import ConfigError
@@ -36,7 +38,7 @@ PHASES = [(0, Phase(False, False, False)), (1, Phase(False, True, False)), (2, P
 ON, OFF = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
 
 
-@pytest.mark.parametrize("net_cls", [lambda: DigitsClassifier().net, ResBlockNet])
+@pytest.mark.parametrize("net_cls", [lambda: DigitsClassifier().net, ResBlockNet, lambda: GatedNet()])
 def test_traceable_fake_quant_is_torch_aos_fused_op_bit_for_bit(net_cls):
     """Float, observing, fake-quant, observers frozen, BN frozen: every output, gradient and buffer equal, with the
     ReLUs before fake-quants applied inside them (float masks, no bool for inductor to store)."""
@@ -402,25 +404,44 @@ class LinearBnNet(torch.nn.Module):
         return self.fc2(torch.relu(self.bn(self.fc1(x.flatten(1)))))
 
 
-@pytest.mark.parametrize("engine_name,net_cls", [("fx", DigitsCNN), ("fx", LinearBnNet), ("pt2e", DigitsCNN)])
+class GatedNet(torch.nn.Module):
+    """Conv-BN-ReLU with a hardsigmoid gate (MobileNetV3's squeeze-excite), whose output torch.ao's defaults fake-quantize
+    with fixed qparams (``FixedQParamsFakeQuantize``: a graph break when compiled, until it got a traceable forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        self.gate, self.fc = torch.nn.Hardsigmoid(), torch.nn.Linear(8 * 64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.fc((y * self.gate(y)).flatten(1))
+
+
+@pytest.mark.parametrize("engine_name,net_cls", [("fx", DigitsCNN), ("fx", LinearBnNet), ("fx", GatedNet), ("pt2e", DigitsCNN)])
 def test_compiled_steps_compute_the_eager_gradients_while_batch_norm_statistics_train(engine_name, net_cls):
     """The compiled backward of the conv-bn (linear-bn) fold read the running variance after the training batch_norm
     had updated it: gradients 4.7 % off on the digits CNN in both engines (notes/perf.md section 34). The folds now
     read a snapshot taken before each compiled call. ``aot_eager`` builds the forward and backward graphs as
     inductor's are built, run as eager aten ops: gradients equal the eager module's in every phase, BatchNorm
-    statistics too, and so does a step that calls the model twice before one backward (a fresh snapshot per call)."""
+    statistics too, and so does a step that calls the model twice before one backward (a fresh snapshot per call).
+    No graph breaks, a fixed-qparams fake-quant included."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
     x, y = _data()
     engine = get_engine(engine_name)
     prepared = engine.prepare(net_cls(), Inputs((x[:8],)), QuantSpec(backend="x86"))
-    if net_cls is LinearBnNet:
-        assert any(type(m).__name__ == "LinearBn1d" for m in prepared.modules())
+    if net_cls in (LinearBnNet, GatedNet):
+        kind = "LinearBn1d" if net_cls is LinearBnNet else "FixedQParamsFakeQuantize"
+        assert any(type(m).__name__ == kind for m in prepared.modules())
     engine.set_phase(prepared, Phase(True, True, False))
     with torch.no_grad():
         prepared(x)  # observed ranges, so the fake-quant phases quantize
+    targets = _graph_targets(prepared)
     assert engine.compile_training(prepared, backend="aot_eager")
+    if engine_name == "pt2e":  # the fold's reads through folded_variance
+        assert folded_variance in _graph_targets(prepared)
     eager = copy.deepcopy(prepared)  # a copy runs eagerly through the same forwards
     for phase, twice in ((Phase(True, True, False), False), (Phase(True, False, False), False),
                          (Phase(True, False, False), True), (Phase(True, False, True), False)):
@@ -440,4 +461,9 @@ def test_compiled_steps_compute_the_eager_gradients_while_batch_norm_statistics_
     assert torch._dynamo.utils.counters["frames"]["ok"] >= 2 and not torch._dynamo.utils.counters["graph_break"]
     engine.decompile(prepared)
     assert not [k for m in prepared.modules() for k in m._buffers if "folded" in k]
+    assert _graph_targets(prepared) == targets and not [m for m in prepared.modules() if "_forward_approximate" in m.__dict__]
     torch._dynamo.reset()
+
+
+def _graph_targets(module: torch.nn.Module) -> list:
+    return [n.target for g in module.modules() if isinstance(g, torch.fx.GraphModule) for n in g.graph.nodes]

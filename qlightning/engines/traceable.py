@@ -210,6 +210,21 @@ def traceable_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
     return fake_quantize(X, scale, zero_point, qmin, qmax, relu=relu_first)
 
 
+def fixed_qparams_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
+    """A fixed-qparams fake-quant's forward (``FakeQuantize.forward`` with its ``FixedQParamsObserver``, which
+    observes nothing: torch.ao's default for sigmoid, hardsigmoid, tanh and softmax) in plain tensor ops: the
+    fixed scale and zero point when fake-quant is on, the input otherwise.
+
+    Args:
+        X: the input.
+    """
+    _, fake_quant = self.__dict__["_qlightning_flags"] if torch.compiler.is_compiling() else _flags(self)
+    if not fake_quant:
+        return X
+    obs = self.activation_post_process
+    return fake_quantize(X, self.scale, self.zero_point, obs.quant_min, obs.quant_max)
+
+
 def sync_qparams(m: nn.Module) -> None:
     """``scale`` / ``zero_point`` := ``choose_qparams(min_val, max_val)`` unless nothing changed since the last time.
 
@@ -257,13 +272,35 @@ def stock_fused_fake_quant(m: nn.Module) -> bool:
     return owner.__name__ in ("FusedMovingAvgObsFakeQuantize", "ZeroCenteredWeightRange")
 
 
-def is_traceable(m: nn.Module) -> bool:
-    """Whether :func:`make_traceable` gave ``m`` :func:`traceable_forward`.
+def fixed_qparams_fake_quant(m: nn.Module) -> bool:
+    """A per-tensor ``FakeQuantize`` (its class's forward) whose observer is a ``FixedQParamsObserver``, which
+    :func:`fixed_qparams_forward` reproduces.
 
     Args:
         m: any module.
     """
-    return getattr(m.__dict__.get("forward"), "__func__", None) is traceable_forward
+    if type(getattr(m, "activation_post_process", None)).__name__ != "FixedQParamsObserver" or m.is_per_channel:
+        return False
+    owner = next((c for c in type(m).__mro__ if "forward" in c.__dict__), None)
+    return owner is not None and owner.__name__ == "FakeQuantize"
+
+
+def stock_fake_quant(m: nn.Module) -> bool:
+    """:func:`stock_fused_fake_quant` or :func:`fixed_qparams_fake_quant`.
+
+    Args:
+        m: any module.
+    """
+    return stock_fused_fake_quant(m) or fixed_qparams_fake_quant(m)
+
+
+def is_traceable(m: nn.Module) -> bool:
+    """Whether :func:`make_traceable` gave ``m`` :func:`traceable_forward` or :func:`fixed_qparams_forward`.
+
+    Args:
+        m: any module.
+    """
+    return getattr(m.__dict__.get("forward"), "__func__", None) in (traceable_forward, fixed_qparams_forward)
 
 
 def traceable_fake_quants(module: nn.Module) -> Iterator[nn.Module]:
@@ -277,8 +314,9 @@ def traceable_fake_quants(module: nn.Module) -> Iterator[nn.Module]:
             yield m
 
 
-def make_traceable(module: nn.Module, eligible: Callable[[nn.Module], bool] = stock_fused_fake_quant) -> list[nn.Module]:
-    """Give every eligible fake-quant of ``module`` :func:`traceable_forward`; return them.
+def make_traceable(module: nn.Module, eligible: Callable[[nn.Module], bool] = stock_fake_quant) -> list[nn.Module]:
+    """Give every eligible fake-quant of ``module`` :func:`traceable_forward` (a fixed-qparams one
+    :func:`fixed_qparams_forward`); return them.
 
     Per-channel buffers are sized to their channels first (the fused op does it at its first observation,
     with the same +-inf / 1.0 / 0 fill), so that the traced graph never resizes a buffer. An instance forward
@@ -287,12 +325,19 @@ def make_traceable(module: nn.Module, eligible: Callable[[nn.Module], bool] = st
     Args:
         module: the prepared module; a per-channel fake-quant's channel count is read from what it quantizes
             (a weight, or a graph node's recorded shape).
-        eligible: which fake-quants qualify (default :func:`stock_fused_fake_quant`).
+        eligible: which fake-quants qualify (default :func:`stock_fake_quant`).
     """
     channels = per_channel_counts(module)
     made = []
     for m in module.modules():
         if is_traceable(m) or not eligible(m):
+            continue
+        if fixed_qparams_fake_quant(m):
+            if "forward" in m.__dict__:
+                m.__dict__["_qlightning_eager_forward"] = m.__dict__["forward"]
+            m.forward = types.MethodType(fixed_qparams_forward, m)
+            m.__dict__["_qlightning_flags"] = _flags(m)
+            made.append(m)
             continue
         if m.is_per_channel:
             count = channels.get(id(m), m.activation_post_process.min_val.numel())
@@ -330,6 +375,8 @@ def _refresh_flags(fake_quants: list[nn.Module]) -> None:
     flags where dynamo guards on them, and re-size per-channel buffers an observer reset emptied."""
     for m in fake_quants:
         m.__dict__["_qlightning_flags"] = observe, fake_quant = _flags(m)
+        if m.__dict__["forward"].__func__ is fixed_qparams_forward:
+            continue
         channels = m.__dict__.get("_qlightning_channels")
         if channels is not None and m.activation_post_process.min_val.numel() != channels:
             _size_per_channel(m, channels)

@@ -28,10 +28,10 @@ from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 from qlightning.engines.traceable import (
     compile_training_forward,
     folded_variance,
-    is_traceable,
     relu,
     restore_fake_quants,
     traceable_fake_quants,
+    traceable_forward,
     uncompile,
 )
 from qlightning.engines.traceable import make_traceable as make_fake_quants_traceable
@@ -39,15 +39,16 @@ from qlightning.engines.traceable import make_traceable as make_fake_quants_trac
 with quiet_torch_ao():
     from torch.ao.nn.intrinsic.qat import LinearBn1d
     from torch.ao.nn.intrinsic.qat.modules.conv_fused import _ConvBnNd
-    from torch.ao.quantization.fake_quantize import FusedMovingAvgObsFakeQuantize
+    from torch.ao.quantization.fake_quantize import FixedQParamsFakeQuantize, FusedMovingAvgObsFakeQuantize
 
 #: the snapshot buffer of a conv-bn or linear-bn module (non-persistent: not in ``state_dict``)
 FOLDED_VARIANCE = "_qlightning_folded_var"
 
 
 def _eligible(m: nn.Module) -> bool:
-    """torch.ao's fused moving-average fake-quant (every default and preset QAT qconfig) with min/max observers."""
-    return type(m) in (FusedMovingAvgObsFakeQuantize, ZeroCenteredFusedFakeQuantize)
+    """torch.ao's fused moving-average fake-quant (every default and preset QAT qconfig) with min/max observers,
+    and its fixed-qparams one (the defaults' for sigmoid, hardsigmoid, tanh and softmax)."""
+    return type(m) in (FusedMovingAvgObsFakeQuantize, ZeroCenteredFusedFakeQuantize, FixedQParamsFakeQuantize)
 
 
 def make_traceable(module: nn.Module) -> int:
@@ -58,7 +59,8 @@ def make_traceable(module: nn.Module) -> int:
         module: the prepared module.
     """
     count = len(make_fake_quants_traceable(module, _eligible))
-    fuse_relu_fake_quant(module, applies_relu=is_traceable)
+    # only the moving-average forward applies a fused ReLU (fixed_qparams_forward does not)
+    fuse_relu_fake_quant(module, applies_relu=lambda m: getattr(m.__dict__.get("forward"), "__func__", None) is traceable_forward)
     _float_mask_relus(module)
     return count
 

@@ -1246,9 +1246,11 @@ class Pt2eEngine(QuantEngine):
         (:mod:`qlightning.engines.traceable`, shared with the FX engine).
 
         Unlike torch.ao's, torchao's fake-quants are not on dynamo's skip list, but their fused op reads its
-        flags on the host. The exported graph's ReLUs stay ``aten.relu``; the BatchNorm freeze and train/eval
-        rewrite the graph's BatchNorm nodes, and each distinct graph compiles once. The conv-bn fold reads the
-        running variance from a snapshot taken before each compiled call (:func:`_folds_from_snapshots`).
+        flags on the host. The exported graph's ReLUs stay ``aten.relu`` (its min-cut partition saves no bool mask
+        for them: notes/perf.md section 35); the BatchNorm freeze and train/eval rewrite the graph's BatchNorm nodes,
+        and each distinct graph compiles once.
+        The conv-bn fold reads the running variance from a snapshot taken before each compiled call
+        (:func:`_folds_from_snapshots`).
 
         Args:
             module: the prepared GraphModule; an earlier compile is undone first.
