@@ -401,17 +401,25 @@ def folded_variance(running_var: torch.Tensor, snapshot: torch.Tensor) -> torch.
     return snapshot if torch.compiler.is_compiling() else running_var
 
 
-def _take_snapshots(module: nn.Module, snapshots: Sequence[tuple[str, str]]) -> None:
-    """Each ``(source, target)`` buffer path of ``module``: ``target`` := a fresh copy of ``source``.
+def _resolve_snapshots(module: nn.Module, snapshots: Sequence[tuple[str, str]]) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """``(source owner, buffer name, target owner, buffer name)`` for each ``(source, target)`` buffer path of
+    ``module``: the owners once, the buffers looked up at each call (``module.to()`` replaces them)."""
+    resolved = []
+    for source, target in snapshots:
+        (source_owner, _, source_name), (target_owner, _, target_name) = source.rpartition("."), target.rpartition(".")
+        resolved.append((module.get_submodule(source_owner), source_name, module.get_submodule(target_owner), target_name))
+    return resolved
+
+
+def _take_snapshots(snapshots: list[tuple[nn.Module, str, nn.Module, str]]) -> None:
+    """Each target buffer := a fresh copy of its source (:func:`_resolve_snapshots`).
 
     A new tensor each call rather than a ``copy_``: the previous call's backward may still hold the old one (a
     module called twice before one ``backward``), and autograd refuses a saved tensor written since.
     """
     with torch.no_grad():
-        for source, target in snapshots:
-            owner, _, name = target.rpartition(".")
-            holder = module.get_submodule(owner) if owner else module
-            holder._buffers[name] = module.get_buffer(source).detach().clone()
+        for source_owner, source_name, target_owner, target_name in snapshots:
+            target_owner._buffers[target_name] = source_owner._buffers[source_name].detach().clone()
 
 
 def _batch_dims_dynamic(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -452,11 +460,12 @@ def compile_training_forward(module: nn.Module, fake_quants: list[nn.Module], sn
     """
     owner = id(module)
     compiled: dict[Any, Callable[..., Any]] = {}
+    resolved = _resolve_snapshots(module, snapshots)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if id(self) == owner and self.training and torch.is_grad_enabled():
             _refresh_flags(fake_quants)
-            _take_snapshots(self, snapshots)
+            _take_snapshots(resolved)
             _batch_dims_dynamic(args, kwargs)
             code = self.__dict__.get("_code")  # a GraphModule's generated source; None for other modules
             function = compiled.get(code)

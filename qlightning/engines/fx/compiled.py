@@ -126,45 +126,45 @@ def _unfold_snapshots(module: nn.Module) -> None:
                 del m.__dict__["forward"]
 
 
-def _conv_bn_fold(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    """torch.ao's ``_ConvBnNd._forward_approximate`` (torch 2.13-2.15), the variance read through ``folded_variance``."""
+def _scaled_weight(self: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fold's ``gamma / sqrt(var + eps)`` (the variance through ``folded_variance``) and the fake-quantized weight
+    scaled by it, as torch.ao's folds compute them."""
     running_std = torch.sqrt(folded_variance(self.bn.running_var, getattr(self, FOLDED_VARIANCE)) + self.bn.eps)
     scale_factor = self.bn.weight / running_std
     weight_shape = [1] * len(self.weight.shape)
     weight_shape[0] = -1
+    return scale_factor, self.weight_fake_quant(self.weight * scale_factor.reshape(weight_shape))
+
+
+def _unscaled_batch_norm(self: nn.Module, out: torch.Tensor, scale_factor: torch.Tensor) -> torch.Tensor:
+    """``bn(out / scale_factor + bias)``: the scale taken back out of the output, the layer's own bias added."""
     bias_shape = [1] * len(self.weight.shape)
     bias_shape[1] = -1
-    scaled_weight = self.weight_fake_quant(self.weight * scale_factor.reshape(weight_shape))
+    out = out / scale_factor.reshape(bias_shape)
+    if self.bias is not None:
+        out = out + self.bias.reshape(bias_shape)
+    return self.bn(out)
+
+
+def _conv_bn_fold(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """torch.ao's ``_ConvBnNd._forward_approximate`` (torch 2.13-2.15), the variance read through ``folded_variance``."""
+    scale_factor, scaled_weight = _scaled_weight(self)
     # zero bias: the conv's own is added after the scale is taken back out
     if self.bias is not None:
         zero_bias = torch.zeros_like(self.bias, dtype=input.dtype)
     else:
         zero_bias = torch.zeros(self.out_channels, device=scaled_weight.device, dtype=input.dtype)
-    conv = self._conv_forward(input, scaled_weight, zero_bias)
-    conv_orig = conv / scale_factor.reshape(bias_shape)
-    if self.bias is not None:
-        conv_orig = conv_orig + self.bias.reshape(bias_shape)
-    return self.bn(conv_orig)
+    return _unscaled_batch_norm(self, self._conv_forward(input, scaled_weight, zero_bias), scale_factor)
 
 
 def _linear_bn_fold(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """torch.ao's ``LinearBn1d.forward`` (torch 2.13-2.15), the variance read through ``folded_variance``."""
-    running_std = torch.sqrt(folded_variance(self.bn.running_var, getattr(self, FOLDED_VARIANCE)) + self.bn.eps)
-    scale_factor = self.bn.weight / running_std
-    weight_shape = [1] * len(self.weight.shape)
-    weight_shape[0] = -1
-    bias_shape = [1] * len(self.weight.shape)
-    bias_shape[1] = -1
-    scaled_weight = self.weight_fake_quant(self.weight * scale_factor.reshape(weight_shape))
+    scale_factor, scaled_weight = _scaled_weight(self)
     if self.bias is not None:
         zero_bias = torch.zeros_like(self.bias)
     else:
         zero_bias = torch.zeros(self.out_features, device=scaled_weight.device)
-    linear_out = F.linear(input, scaled_weight, zero_bias)
-    linear_out_orig = linear_out / scale_factor.reshape(bias_shape)
-    if self.bias is not None:
-        linear_out_orig = linear_out_orig + self.bias.reshape(bias_shape)
-    return self.bn(linear_out_orig)
+    return _unscaled_batch_norm(self, F.linear(input, scaled_weight, zero_bias), scale_factor)
 
 
 def compile_for_training(module: nn.Module, **compile_kwargs: Any) -> int:
