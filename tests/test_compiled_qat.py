@@ -24,6 +24,7 @@ from qlightning.engines.fx.fast_fq import restore_fake_quant
 from qlightning.engines.fx.compiled import compile_for_training, decompile, make_traceable
 from qlightning.engines import Inputs, QuantSpec
 from qlightning.engines.base import is_fused_fake_quant
+from qlightning.engines import traceable
 from qlightning.engines.traceable import (
     choose_qparams, compile_training_forward, fake_quantize, folded_variance, restore_fake_quants,
 )
@@ -57,6 +58,41 @@ def test_traceable_fake_quant_is_torch_aos_fused_op_bit_for_bit(net_cls):
     assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
     assert decompile(traceable) >= 5
     assert [name for name, m in traceable.named_modules() if {"forward", "_qlightning_relu"} & m.__dict__.keys()] == []
+
+
+def test_the_compiled_callers_flags_follow_every_write_of_the_flag_buffers(monkeypatch):
+    """Before each compiled call the dispatcher copies each fake-quant's flags from its buffers, where dynamo
+    guards on them, and reads a buffer's value only when it was written or replaced since (its version or
+    identity): torch.ao's indexed setter, the engine's ``fill_``, a checkpoint load and a new buffer (``.to()``)
+    all reach the copy, and a call with nothing written reads no flag."""
+    torch.manual_seed(0)
+    x, _ = _data()
+    prepared = _prepare(DigitsCNN(), x, fast_qat=False)
+    fqs = [m for m in prepared.modules() if is_fused_fake_quant(m)]
+    make_traceable(prepared)
+    flags = lambda: [m.__dict__["_qlightning_flags"] for m in fqs]  # noqa: E731
+    traceable._refresh_flags(fqs)
+    assert flags() == [(True, True)] * len(fqs)
+    reads = []
+    monkeypatch.setattr(traceable, "_flags", lambda m: reads.append(m) or (bool(m.observer_enabled[0]), bool(m.fake_quant_enabled[0])))
+    traceable._refresh_flags(fqs)
+    assert reads == [] and flags() == [(True, True)] * len(fqs)
+    get_engine("fx").set_phase(prepared, Phase(fake_quant=False, observe=True, bn_frozen=False))  # fill_
+    fqs[0].disable_observer()  # torch.ao's indexed write
+    traceable._refresh_flags(fqs)
+    assert flags() == [(False, False)] + [(True, False)] * (len(fqs) - 1) and len(reads) == len(fqs)
+    state = copy.deepcopy(prepared.state_dict())
+    get_engine("fx").set_phase(prepared, Phase(fake_quant=True, observe=False, bn_frozen=False))
+    traceable._refresh_flags(fqs)
+    assert flags() == [(False, True)] * len(fqs)
+    prepared.load_state_dict(state)
+    traceable._refresh_flags(fqs)
+    assert flags() == [(False, False)] + [(True, False)] * (len(fqs) - 1)
+    fqs[1]._buffers["observer_enabled"] = torch.zeros(1, dtype=torch.long)  # a new tensor, version 0
+    fqs[1]._buffers["fake_quant_enabled"] = torch.ones(1, dtype=torch.long)
+    traceable._refresh_flags(fqs)
+    assert flags()[1] == (False, True)
+    assert restore_fake_quants(prepared) and not [m for m in fqs if "_qlightning_flags_key" in m.__dict__]
 
 
 @pytest.mark.parametrize("relu", [False, True], ids=["fake-quant", "relu-fake-quant"])
