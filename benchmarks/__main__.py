@@ -34,6 +34,7 @@ Examples::
     python -m benchmarks options --model transformer --off fast_linear   # A/B of engine options
     python -m benchmarks compile                 # the compiled QAT path (engine_options.compile) vs eager and compiled float
     python -m benchmarks compile --engines fx,pt2e --models digits_cnn   # ... the PT2E engine's beside the FX engine's
+    python -m benchmarks compile --models digits_cnn --batches 1,64     # ... at other batch sizes than the model's own
     python -m benchmarks fit                     # wall time of whole Trainer.fit runs: float, QAT defaults, compile=on
     python -m benchmarks peers --out benchmarks/results/peers   # NNCF, Brevitas, ModelOpt, torchao PT2E beside qlightning (bench extra)
     PYTHONPATH=. .venv214/bin/python -m benchmarks int8 --models shufflenet_v2_x0_5 --threads 2   # zoo int8 latency A/B
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import platform
 import sys
@@ -380,12 +382,19 @@ def run_compile(args: argparse.Namespace) -> None:
     from benchmarks.models import model_spec
 
     names = [n for n in (args.models.split(",") if args.models else MODEL_NAMES)]
+    # each model at its own training batch, or (--batches) at each batch given, keyed "<model>, batch <n>"
+    batches = [int(b) for b in (args.batches or "1,32,64").split(",")] if args.batches else [None]
     out = {"machine": machine(args), "models": {}}
     for name in names:
-        _log(f"compile: {name}")
-        out["models"][name] = suites.compiled_step_ratios(model_spec(name, args.quick), args.repeats or 20, args.clock,
-                                                          tuple(args.engines.split(",")))
-        print(json.dumps({name: out["models"][name]}, indent=2), flush=True)
+        for batch in batches:
+            spec = model_spec(name, args.quick)
+            key = name if batch is None else f"{name}, batch {batch}"
+            if batch is not None:
+                spec = dataclasses.replace(spec, train_batch=batch)
+            _log(f"compile: {key}")
+            out["models"][key] = suites.compiled_step_ratios(spec, args.repeats or 20, args.clock,
+                                                             tuple(args.engines.split(",")))
+            print(json.dumps({key: out["models"][key]}, indent=2), flush=True)
     path = Path(args.out).with_suffix(".json") if args.out else RESULTS / f"compile-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     if path.exists() and not args.overwrite:
         raise SystemExit(f"{path} exists; --overwrite to replace it")
@@ -400,7 +409,7 @@ def run_steps(args: argparse.Namespace) -> None:
     from benchmarks.models import model_spec
 
     names = args.models.split(",") if args.models else list(MODEL_NAMES)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in (args.batches or "1,32,64").split(",")]
     path = Path(args.out).with_suffix(".json") if args.out else RESULTS / f"steps-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     if path.exists() and not args.overwrite:
         raise SystemExit(f"{path} exists; --overwrite to replace it")
@@ -461,7 +470,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", default=None, help="readme: the results JSON (default: results/latest.json)")
     parser.add_argument("--write", action="store_true", help="readme: put the table into README.md")
     # scaling
-    parser.add_argument("--batches", default="1,32,64", help="steps: comma-separated batch sizes")
+    parser.add_argument("--batches", default="", help="steps: comma-separated batch sizes (default 1,32,64); "
+                        "compile: the batch sizes to time each model at (default: its training batch)")
     parser.add_argument("--blocks", default="10,50,200")
     parser.add_argument("--engines", default="fx", help="scaling, compile, fit: comma-separated engines (fx, pt2e; default fx)")
     parser.add_argument("--profile", action="store_true", help="scaling: cProfile the largest size instead")
