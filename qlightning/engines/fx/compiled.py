@@ -5,7 +5,7 @@ says how and why). What is the FX engine's own: which fake-quants qualify (torch
 fake-quant and the default weight fake-quant built on it), the ReLU modules of torch.ao's graph, each applied
 inside the fake-quant after it where it is that fake-quant's only producer (the eager fast path's
 ``fuse_relu_fake_quant``), or given a float gradient mask (``torch.relu``'s own backward keeps a bool one,
-which inductor stores an element at a time), and torch.ao's conv-bn and linear-bn QAT modules, whose fold reads
+which inductor stores an element at a time), its ReLU6 / Hardtanh modules too (a float-mask ``hardtanh``), and torch.ao's conv-bn and linear-bn QAT modules, whose fold reads
 the running variance through :func:`~qlightning.engines.traceable.folded_variance` (compiled, a snapshot taken
 before the call: the compiled backward read it after the training batch_norm had updated it).
 
@@ -28,6 +28,7 @@ from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 from qlightning.engines.traceable import (
     compile_training_forward,
     folded_variance,
+    hardtanh,
     relu,
     restore_fake_quants,
     traceable_fake_quants,
@@ -67,13 +68,17 @@ def make_traceable(module: nn.Module) -> int:
 
 def _float_mask_relus(module: nn.Module) -> int:
     """Give every ReLU module not fused into a fake-quant (a shared ``nn.ReLU``, one before anything else) the
-    float mask of :func:`relu`; return how many. ``torch.relu``'s own backward would keep a bool one."""
+    float mask of :func:`relu`, and every ``nn.ReLU6`` / ``nn.Hardtanh`` that of :func:`hardtanh`; return how many.
+    Their aten backwards would keep a bool one."""
     count = 0
     for m in module.modules():
         if "forward" in m.__dict__:  # fused into the fake-quant after it (or the compiled root)
             continue
         if type(m) is nn.ReLU:
             m.forward = types.MethodType(_relu_forward, m)
+            count += 1
+        elif type(m) in (nn.ReLU6, nn.Hardtanh):
+            m.forward = types.MethodType(_hardtanh_forward, m)
             count += 1
         elif type(m) in CONV_BN_RELU:
             m.forward = types.MethodType(_conv_bn_relu_forward, m)
@@ -83,6 +88,10 @@ def _float_mask_relus(module: nn.Module) -> int:
 
 def _relu_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     return relu(input)
+
+
+def _hardtanh_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    return hardtanh(input, self.min_val, self.max_val)
 
 
 def _conv_bn_relu_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
@@ -196,6 +205,6 @@ def decompile(module: nn.Module) -> int:
     if any(True for _ in traceable_fake_quants(module)):  # the ReLUs fused by make_traceable (a module on the eager fast path keeps the fast path's)
         unfuse_relu_fake_quant(module)
     for m in module.modules():
-        if getattr(m.__dict__.get("forward"), "__func__", None) in (_relu_forward, _conv_bn_relu_forward):
+        if getattr(m.__dict__.get("forward"), "__func__", None) in (_relu_forward, _hardtanh_forward, _conv_bn_relu_forward):
             del m.__dict__["forward"]
     return restore_fake_quants(module)
