@@ -383,7 +383,7 @@ def run_compile(args: argparse.Namespace) -> None:
 
     names = [n for n in (args.models.split(",") if args.models else MODEL_NAMES)]
     # each model at its own training batch, or (--batches) at each batch given, keyed "<model>, batch <n>"
-    batches = [int(b) for b in (args.batches or "1,32,64").split(",")] if args.batches else [None]
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [None]
     out = {"machine": machine(args), "models": {}}
     for name in names:
         for batch in batches:
