@@ -50,7 +50,7 @@ from qlightning.engines.base import (
 )
 from qlightning.engines.names import plain, resolve_reference
 from qlightning.engines.traceable import (
-    compile_training_forward, folded_variance, make_traceable, restore_fake_quants, uncompile,
+    compile_training_forward, folded_variance, hardtanh, make_traceable, relu, restore_fake_quants, uncompile,
 )
 from qlightning.core.quiet import quiet
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
@@ -383,6 +383,66 @@ def _unfold_snapshots(module: nn.Module) -> None:
                 if not snapshot.users:
                     gm.graph.erase_node(snapshot)
                     gm._buffers.pop(str(snapshot.target), None)
+                changed = True
+        if changed:
+            gm.recompile()
+
+
+def _aten_hardtanh(x: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0) -> torch.Tensor:
+    """``aten.hardtanh(x, min_val, max_val)`` (its defaults) through :func:`~qlightning.engines.traceable.hardtanh`."""
+    return hardtanh(x, min_val, max_val)
+
+
+def _aten_relu(x: torch.Tensor) -> torch.Tensor:
+    """``aten.relu(x)`` through :func:`~qlightning.engines.traceable.relu`."""
+    return relu(x)
+
+
+#: the exported graph's ReLU / ReLU6 ops and their float-mask forms, whose backward saves no bool mask
+_FLOAT_MASK_OPS = {
+    **{getattr(_aten, n).default: _aten_relu for n in ("relu", "relu_") if hasattr(_aten, n)},
+    **{getattr(_aten, n).default: _aten_hardtanh for n in ("hardtanh", "hardtanh_") if hasattr(_aten, n)},
+}
+_ORIGINAL_TARGET = "qlightning_float_mask_of"
+
+
+def _float_mask_relus(module: nn.Module) -> int:
+    """Point every ``aten.relu`` / ``aten.hardtanh`` node of ``module``'s graphs at its float-mask form (the same
+    values, the gradient through a float mask); return how many. Their aten backwards take a bool mask, which
+    inductor's min-cut partition saves from the forward where a ReLU's output has several users (a residual
+    block's ReLU feeds its fake-quant and the skip add) and its C++ code stores an element at a time: the
+    ResNet-18-like net's compiled observing step took 1.21x the float step against the FX engine's 1.05x
+    (notes/perf.md section 37). Undone by :func:`_restore_relus`.
+
+    Args:
+        module: the prepared module.
+    """
+    count = 0
+    for gm in module.modules():
+        if not isinstance(gm, torch.fx.GraphModule):
+            continue
+        changed = False
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in _FLOAT_MASK_OPS:
+                node.meta[_ORIGINAL_TARGET] = node.target
+                node.target = _FLOAT_MASK_OPS[node.target]
+                changed = True
+                count += 1
+        if changed:
+            gm.recompile()
+    return count
+
+
+def _restore_relus(module: nn.Module) -> None:
+    """Undo :func:`_float_mask_relus`: the aten ops again (torchao's convert matches them)."""
+    for gm in module.modules():
+        if not isinstance(gm, torch.fx.GraphModule):
+            continue
+        changed = False
+        for node in gm.graph.nodes:
+            original = node.meta.pop(_ORIGINAL_TARGET, None)
+            if original is not None:
+                node.target = original
                 changed = True
         if changed:
             gm.recompile()
@@ -1246,9 +1306,9 @@ class Pt2eEngine(QuantEngine):
         (:mod:`qlightning.engines.traceable`, shared with the FX engine).
 
         Unlike torch.ao's, torchao's fake-quants are not on dynamo's skip list, but their fused op reads its
-        flags on the host. The exported graph's ReLUs stay ``aten.relu`` (its min-cut partition saves no bool mask
-        for them: notes/perf.md section 35); the BatchNorm freeze and train/eval rewrite the graph's BatchNorm nodes,
-        and each distinct graph compiles once.
+        flags on the host. The exported graph's ReLU and ReLU6 ops take a float gradient mask
+        (:func:`_float_mask_relus`: aten's bool mask was saved in residual blocks); the BatchNorm freeze and
+        train/eval rewrite the graph's BatchNorm nodes, and each distinct graph compiles once.
         The conv-bn fold reads the running variance from a snapshot taken before each compiled call
         (:func:`_folds_from_snapshots`).
 
@@ -1258,7 +1318,9 @@ class Pt2eEngine(QuantEngine):
         """
         self.decompile(module)
         fake_quants = make_traceable(module)
-        compile_training_forward(module, fake_quants, _folds_from_snapshots(module), **compile_kwargs)
+        snapshots = _folds_from_snapshots(module)
+        _float_mask_relus(module)
+        compile_training_forward(module, fake_quants, snapshots, **compile_kwargs)
         return True
 
     def decompile(self, module: nn.Module) -> None:
@@ -1268,6 +1330,7 @@ class Pt2eEngine(QuantEngine):
             module: the prepared module.
         """
         uncompile(module)
+        _restore_relus(module)
         _unfold_snapshots(module)
         restore_fake_quants(module)
 
