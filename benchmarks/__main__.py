@@ -393,7 +393,7 @@ def run_compile(args: argparse.Namespace) -> None:
                 spec = dataclasses.replace(spec, train_batch=batch)
             _log(f"compile: {key}")
             out["models"][key] = suites.compiled_step_ratios(spec, args.repeats or 20, args.clock,
-                                                             tuple(args.engines.split(",")))
+                                                             tuple(args.engines.split(",")), args.inductor_defaults)
             print(json.dumps({key: out["models"][key]}, indent=2), flush=True)
     path = Path(args.out).with_suffix(".json") if args.out else RESULTS / f"compile-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     if path.exists() and not args.overwrite:
@@ -472,6 +472,8 @@ def main(argv: list[str] | None = None) -> None:
     # scaling
     parser.add_argument("--batches", default="", help="steps: comma-separated batch sizes (default 1,32,64); "
                         "compile: the batch sizes to time each model at (default: its training batch)")
+    parser.add_argument("--inductor-defaults", action="store_true", help="compile: also the FX compiled path with "
+                        "inductor's default options (its wrapper's size asserts on), side by side")
     parser.add_argument("--blocks", default="10,50,200")
     parser.add_argument("--engines", default="fx", help="scaling, compile, fit: comma-separated engines (fx, pt2e; default fx)")
     parser.add_argument("--profile", action="store_true", help="scaling: cProfile the largest size instead")

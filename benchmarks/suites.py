@@ -166,12 +166,14 @@ def _step_figures(spec: ModelSpec, stats: dict[str, dict[str, float]], repeats: 
     }
 
 
-def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str, engines: tuple[str, ...] = ("fx",)) -> dict[str, Any]:
+def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str, engines: tuple[str, ...] = ("fx",),
+                         inductor_defaults: bool = False) -> dict[str, Any]:
     """The compiled QAT path (``engine_options.compile``) beside eager float, compiled float and the eager paths.
 
     Observing (fake-quant and observers on) and frozen (observers and BN frozen) phases; each compiled variant's
     first two calls (the compile: forward + backward graphs) are timed on the wall clock and reported apart.
-    ``engines`` with ``pt2e``: the PT2E engine's eager and compiled paths too.
+    ``engines`` with ``pt2e``: the PT2E engine's eager and compiled paths too. ``inductor_defaults``: also the FX
+    compiled path with inductor's default options (its wrapper's size asserts on, as before stop 52), side by side.
     """
     from qlightning.engines.fx.compiled import compile_for_training
 
@@ -193,10 +195,12 @@ def compiled_step_ratios(spec: ModelSpec, repeats: int, clock: str, engines: tup
     variants["qlightning FX"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON)
     variants["qlightning FX, float warm-up"] = set_phase(qlightning_prepare(copy.deepcopy(float_model), example), WARM_UP)
     variants["qlightning FX, frozen"] = frozen(set_phase(qlightning_prepare(copy.deepcopy(float_model), example), QAT_ON))
-    for label, frozen_phase in (("qlightning FX compiled", False), ("qlightning FX compiled, frozen", True)):
-        module = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, fast=False), QAT_ON)
-        compile_for_training(module)
-        variants[label] = frozen(module) if frozen_phase else module
+    arms = {"": {}, ", inductor defaults": {"options": {"size_asserts": True}}} if inductor_defaults else {"": {}}
+    for suffix, compile_kwargs in arms.items():
+        for label, frozen_phase in (("qlightning FX compiled", False), ("qlightning FX compiled, frozen", True)):
+            module = set_phase(qlightning_prepare(copy.deepcopy(float_model), example, fast=False), QAT_ON)
+            compile_for_training(module, **compile_kwargs)
+            variants[label + suffix] = frozen(module) if frozen_phase else module
     if "pt2e" in engines:
         def pt2e_prepared() -> nn.Module:
             return set_phase(qlightning_prepare(copy.deepcopy(float_model), example, "pt2e"), QAT_ON, "pt2e")
