@@ -186,7 +186,9 @@ def test_breach_names_the_broken_layer_and_can_warn(qat_run, tmp_path):
         conv.scale = original
     assert extra["parity"]["passed"] is False
     conversion = {row["layer"]: row["conversion_sqnr_db"] for row in extra["layers"]}
-    assert conversion["net.features.0.0"] >= 100  # untouched layer before the broken one
+    # the untouched layer before the broken one: its int8 outputs are the fake-quant ones bit for bit on AVX2 and Xeon
+    # CPUs (>= 100 dB); on an AMD EPYC with AVX-512 (stop 52) a few differ by one step (78.7 dB)
+    assert conversion["net.features.0.0"] >= 60
     assert conversion["net.features.1.0"] < 30
     assert "(graph order): net.features.1.0" in extra["parity"]["message"]
 
