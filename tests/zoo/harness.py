@@ -181,6 +181,16 @@ KNOWN: dict[tuple[str, str], dict[str, Any]] = {
                 "the same flips, so the gate says they are near-ties rather than naming a layer. Stop 40, seeds 1-4 of "
                 "the same fit: 43-48 dB, 1.000 each",
     },
+    # PT2E meets the targets on the AVX2 and Xeon CPUs (25-45 dB, 1.000); on an AMD EPYC with AVX-512 (stop 52) the
+    # float kernels train another model (54 % accurate) and 2 of its 128 near-tied predictions flip at 44.6 dB
+    ("efficientnet_b0", "pt2e"): {
+        "status": "below target",
+        "says": _GATE_NAMES_THE_ROUTE,
+        "note": "at the edge of the 99 % agreement target on some CPUs: on an AMD EPYC with AVX-512 (stop 52) int8 vs "
+                "fake-quant 44.6 dB, 2 of 128 predictions of a model at 54 % flip, where the fake-quant model against "
+                "itself with its inputs perturbed by 1e-5 (relative) reads 23.7 dB, 0.961; on AVX2 and Xeon CPUs it "
+                "meets the targets. KNOWN accepts either outcome",
+    },
     ("efficientnet_b0", "fx"): {
         "status": "below target",
         "says": _GATE_NAMES_THE_ROUTE,
