@@ -369,11 +369,17 @@ def _folds_from_snapshots(module: nn.Module) -> list[tuple[str, str]]:
     return pairs
 
 
+def _rewrite_graphs(module: nn.Module, rewrite: Callable[[torch.fx.GraphModule], bool]) -> None:
+    """Apply ``rewrite`` to every GraphModule in ``module``; recompile those it says it changed."""
+    for gm in module.modules():
+        if isinstance(gm, torch.fx.GraphModule) and rewrite(gm):
+            gm.recompile()
+
+
 def _unfold_snapshots(module: nn.Module) -> None:
     """Undo :func:`_folds_from_snapshots`: every fold reads ``running_var`` again; the snapshot buffers are gone."""
-    for gm in module.modules():
-        if not isinstance(gm, torch.fx.GraphModule):
-            continue
+
+    def unfold(gm: torch.fx.GraphModule) -> bool:
         changed = False
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and node.target is folded_variance:
@@ -384,8 +390,9 @@ def _unfold_snapshots(module: nn.Module) -> None:
                     gm.graph.erase_node(snapshot)
                     gm._buffers.pop(str(snapshot.target), None)
                 changed = True
-        if changed:
-            gm.recompile()
+        return changed
+
+    _rewrite_graphs(module, unfold)
 
 
 def _aten_hardtanh(x: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0) -> torch.Tensor:
@@ -393,59 +400,46 @@ def _aten_hardtanh(x: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0)
     return hardtanh(x, min_val, max_val)
 
 
-def _aten_relu(x: torch.Tensor) -> torch.Tensor:
-    """``aten.relu(x)`` through :func:`~qlightning.engines.traceable.relu`."""
-    return relu(x)
-
-
 #: the exported graph's ReLU / ReLU6 ops and their float-mask forms, whose backward saves no bool mask
 _FLOAT_MASK_OPS = {
-    **{getattr(_aten, n).default: _aten_relu for n in ("relu", "relu_") if hasattr(_aten, n)},
+    **{getattr(_aten, n).default: relu for n in ("relu", "relu_") if hasattr(_aten, n)},
     **{getattr(_aten, n).default: _aten_hardtanh for n in ("hardtanh", "hardtanh_") if hasattr(_aten, n)},
 }
 _ORIGINAL_TARGET = "qlightning_float_mask_of"
 
 
-def _float_mask_relus(module: nn.Module) -> int:
+def _float_mask_relus(module: nn.Module) -> None:
     """Point every ``aten.relu`` / ``aten.hardtanh`` node of ``module``'s graphs at its float-mask form (the same
-    values, the gradient through a float mask); return how many. Their aten backwards take a bool mask, which
-    inductor's min-cut partition saves from the forward where a ReLU's output has several users (a residual
-    block's ReLU feeds its fake-quant and the skip add) and its C++ code stores an element at a time: the
-    ResNet-18-like net's compiled observing step took 1.21x the float step against the FX engine's 1.05x
-    (notes/perf.md section 37). Undone by :func:`_restore_relus`.
+    values, the gradient through a float mask). Their aten backwards take a bool mask, which inductor's min-cut
+    partition saves from the forward where a ReLU's output has several users (a residual block's ReLU feeds its
+    fake-quant and the skip add) and its C++ code stores an element at a time: the ResNet-18-like net's compiled
+    observing step took 1.21x the float step against the FX engine's 1.05x (notes/perf.md section 37). Undone by
+    :func:`_restore_relus`.
 
     Args:
         module: the prepared module.
     """
-    count = 0
-    for gm in module.modules():
-        if not isinstance(gm, torch.fx.GraphModule):
-            continue
-        changed = False
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target in _FLOAT_MASK_OPS:
-                node.meta[_ORIGINAL_TARGET] = node.target
-                node.target = _FLOAT_MASK_OPS[node.target]
-                changed = True
-                count += 1
-        if changed:
-            gm.recompile()
-    return count
+
+    def to_float_masks(gm: torch.fx.GraphModule) -> bool:
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _FLOAT_MASK_OPS]
+        for node in nodes:
+            node.meta[_ORIGINAL_TARGET] = node.target
+            node.target = _FLOAT_MASK_OPS[node.target]
+        return bool(nodes)
+
+    _rewrite_graphs(module, to_float_masks)
 
 
 def _restore_relus(module: nn.Module) -> None:
     """Undo :func:`_float_mask_relus`: the aten ops again (torchao's convert matches them)."""
-    for gm in module.modules():
-        if not isinstance(gm, torch.fx.GraphModule):
-            continue
-        changed = False
-        for node in gm.graph.nodes:
-            original = node.meta.pop(_ORIGINAL_TARGET, None)
-            if original is not None:
-                node.target = original
-                changed = True
-        if changed:
-            gm.recompile()
+
+    def to_aten(gm: torch.fx.GraphModule) -> bool:
+        nodes = [n for n in gm.graph.nodes if _ORIGINAL_TARGET in n.meta]
+        for node in nodes:
+            node.target = node.meta.pop(_ORIGINAL_TARGET)
+        return bool(nodes)
+
+    _rewrite_graphs(module, to_aten)
 
 
 class _ExportedTrainEval:
