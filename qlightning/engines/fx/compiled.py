@@ -7,7 +7,8 @@ inside the fake-quant after it where it is that fake-quant's only producer (the 
 ``fuse_relu_fake_quant``), or given a float gradient mask (``torch.relu``'s own backward keeps a bool one,
 which inductor stores an element at a time), its ReLU6 / Hardtanh modules too (a float-mask ``hardtanh``), and torch.ao's conv-bn and linear-bn QAT modules, whose fold reads
 the running variance through :func:`~qlightning.engines.traceable.folded_variance` (compiled, a snapshot taken
-before the call: the compiled backward read it after the training batch_norm had updated it).
+before the call: the compiled backward read it after the training batch_norm had updated it), divides the weight
+rather than the output by the BatchNorm's scale, and with the BatchNorm frozen folds it whole (:func:`_fold`).
 
 Classes, buffers and ``state_dict`` keys stay torch.ao's, so ``convert_fx`` is unchanged; :func:`decompile`
 undoes everything (the engine calls it before converting).
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qlightning.engines.fx.ao import quiet_torch_ao
-from qlightning.engines.fx.fast_fq import CONV_BN_RELU, fuse_relu_fake_quant, unfuse_relu_fake_quant
+from qlightning.engines.fx.fast_fq import CONV_BN_RELU, frozen_bn_bias, fuse_relu_fake_quant, unfuse_relu_fake_quant
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 from qlightning.engines.traceable import (
     compile_training_forward,
@@ -140,40 +141,39 @@ def _scaled_weight(self: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     scaled by it, as torch.ao's folds compute them."""
     running_std = torch.sqrt(folded_variance(self.bn.running_var, getattr(self, FOLDED_VARIANCE)) + self.bn.eps)
     scale_factor = self.bn.weight / running_std
-    weight_shape = [1] * len(self.weight.shape)
-    weight_shape[0] = -1
-    return scale_factor, self.weight_fake_quant(self.weight * scale_factor.reshape(weight_shape))
+    return scale_factor, self.weight_fake_quant(self.weight * _per_output_channel(scale_factor, self.weight))
 
 
-def _unscaled_batch_norm(self: nn.Module, out: torch.Tensor, scale_factor: torch.Tensor) -> torch.Tensor:
-    """``bn(out / scale_factor + bias)``: the scale taken back out of the output, the layer's own bias added."""
-    bias_shape = [1] * len(self.weight.shape)
-    bias_shape[1] = -1
-    out = out / scale_factor.reshape(bias_shape)
-    if self.bias is not None:
-        out = out + self.bias.reshape(bias_shape)
-    return self.bn(out)
+def _per_output_channel(scale_factor: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    shape = [1] * weight.dim()
+    shape[0] = -1
+    return scale_factor.reshape(shape)
+
+
+def _fold(self: nn.Module, layer: Any, input: torch.Tensor) -> torch.Tensor:
+    """torch.ao's ``bn(layer(x, fq(w * s)) / s + b)`` with the division on the weight, ``bn(layer(x, fq(w * s) / s,
+    b))`` (as the eager path's :func:`~qlightning.engines.fx.fast_fq.fast_conv_bn_forward_approximate`), or with
+    the BatchNorm frozen the whole fold in the layer, ``layer(x, fq(w * s), (b - mean) * s + beta)``.
+
+    The same function up to float rounding. Compiled, torch.ao's full-size ``/ s`` and frozen BatchNorm each cost a
+    fused pass forward and reductions backward (notes/perf.md section 38).
+    """
+    scale_factor, scaled_weight = _scaled_weight(self)
+    if not self.bn.training:
+        return layer(input, scaled_weight, frozen_bn_bias(self, scale_factor, self.bias))
+    return self.bn(layer(input, scaled_weight / _per_output_channel(scale_factor, scaled_weight), self.bias))
 
 
 def _conv_bn_fold(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    """torch.ao's ``_ConvBnNd._forward_approximate`` (torch 2.13-2.15), the variance read through ``folded_variance``."""
-    scale_factor, scaled_weight = _scaled_weight(self)
-    # zero bias: the conv's own is added after the scale is taken back out
-    if self.bias is not None:
-        zero_bias = torch.zeros_like(self.bias, dtype=input.dtype)
-    else:
-        zero_bias = torch.zeros(self.out_channels, device=scaled_weight.device, dtype=input.dtype)
-    return _unscaled_batch_norm(self, self._conv_forward(input, scaled_weight, zero_bias), scale_factor)
+    """torch.ao's ``_ConvBnNd._forward_approximate`` (torch 2.13-2.15) folded as :func:`_fold` says, the variance read
+    through ``folded_variance``."""
+    return _fold(self, self._conv_forward, input)
 
 
 def _linear_bn_fold(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    """torch.ao's ``LinearBn1d.forward`` (torch 2.13-2.15), the variance read through ``folded_variance``."""
-    scale_factor, scaled_weight = _scaled_weight(self)
-    if self.bias is not None:
-        zero_bias = torch.zeros_like(self.bias)
-    else:
-        zero_bias = torch.zeros(self.out_features, device=scaled_weight.device)
-    return _unscaled_batch_norm(self, F.linear(input, scaled_weight, zero_bias), scale_factor)
+    """torch.ao's ``LinearBn1d.forward`` (torch 2.13-2.15) folded as :func:`_fold` says, the variance read through
+    ``folded_variance``."""
+    return _fold(self, F.linear, input)
 
 
 def compile_for_training(module: nn.Module, **compile_kwargs: Any) -> int:

@@ -18,7 +18,8 @@ memory over the float step on CPU (``python -m benchmarks profile``), and what r
    (:func:`fuse_relu_fake_quant`), one 1-bit mask for both and no extra activation copy.
 5. torch.ao's QAT conv-bn divides the full conv output by the BN scale factor (one pass forward, three
    backward, the conv output kept for the gradient): :func:`fast_conv_bn_forward_approximate` divides
-   the weight instead, the same function up to float rounding.
+   the weight instead, and with the BatchNorm frozen folds it whole into the conv's bias
+   (:func:`frozen_bn_bias`), the same function up to float rounding.
 6. QAT ``Linear`` keeps the fake-quantized weight (a weight-sized float tensor) for backward:
    :func:`fast_linear_forward` keeps the weight parameter itself and recomputes ``fq(w)`` in backward.
 
@@ -626,6 +627,8 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
 
     With the weight's fake-quant off (the float warm-up) ``fq(w * s) / s`` is ``w``: the conv takes the
     weight itself (the weight observer, when on, still sees the folded ``w * s``), the float model's cost.
+    With the BatchNorm frozen (or in eval) it folds whole: ``conv(x, fq(w * s), (b - mean) * s + beta)``
+    (:func:`frozen_bn_bias`), no BatchNorm pass at all.
 
     Args:
         input: the conv input.
@@ -641,10 +644,31 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
         return modules["bn"](self._conv_forward(input, weight, bias))
     s = _folding_factor(self, weight.dim())
     folded = fq(weight * s)
+    if not modules["bn"].training:  # BatchNorm frozen (or eval): the whole fold is the conv's weight and bias
+        return self._conv_forward(input, folded, frozen_bn_bias(self, s.reshape(-1), bias))
     # the custom backward keeps one weight-sized tensor less, for ~40 us of Python a step: worth it only for large
     # weights (the same quotient; gamma's gradient differs by float rounding)
     weight = folded / s if folded.numel() < MIN_ELEMENTS else _DivideKeepingResult.apply(folded, s)
     return modules["bn"](self._conv_forward(input, weight, bias))
+
+
+def frozen_bn_bias(conv_bn: nn.Module, scale_factor: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The bias of a conv-bn (or linear-bn) whose BatchNorm normalizes with its running statistics (frozen, or
+    eval), folded into the layer: ``bn(y / s + b) = y + (b - mean) * s + beta`` for ``y`` the layer's output with
+    the weight ``fq(w * s)`` and ``s = gamma / running_std`` (``scale_factor``, one value per output channel).
+
+    torch.ao computes ``y / s`` and the BatchNorm over the full output, forward and backward (with ``s`` taken
+    back out, ``s / s``); folded, neither runs. The same function up to float rounding, the same gradients
+    (``s``'s reaches ``gamma`` through the weight and this bias).
+
+    Args:
+        conv_bn: torch.ao's QAT conv-bn or linear-bn module.
+        scale_factor: ``gamma / running_std``, 1-D.
+        bias: the layer's own bias, or ``None``.
+    """
+    bn = conv_bn._modules["bn"]
+    shift = _parameter(bn, "bias") - bn._buffers["running_mean"] * scale_factor
+    return shift if bias is None else shift + bias * scale_factor
 
 
 def _parameter(module: nn.Module, name: str) -> Any:
