@@ -38,7 +38,7 @@ import inspect
 import itertools
 import weakref
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -231,6 +231,13 @@ _DROPOUT_OPS = {
 }
 # ops whose (input, weight, bias, running_mean, running_var, training, momentum, eps, ...) carry the mode
 _BATCH_NORM_OPS = {_aten.batch_norm.default, _aten._native_batch_norm_legit.default}
+# the layers whose output a QAT conv-bn fold divides by the BatchNorm's scale (torchao's _qat_conv_bn_pattern)
+_FOLDED_LAYERS = {
+    getattr(packet, overload)
+    for packet in (getattr(_aten, n) for n in ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                                                "conv_transpose3d") if hasattr(_aten, n))
+    for overload in packet.overloads()
+}
 
 
 def _set_arg(node: torch.fx.Node, index: int, name: str, value: Any) -> bool:
@@ -317,7 +324,7 @@ def _rewrite_modes(gm: torch.fx.GraphModule, training: bool) -> None:
                 continue
             if node.target in _DROPOUT_OPS:
                 changed |= _set_arg(node, 2, "train", bool(training))
-            elif node.target in _BATCH_NORM_OPS:
+            elif node.target in _BATCH_NORM_OPS or node.target is _folded_batch_norm:
                 changed |= _set_arg(node, 5, "training", bool(bn_training))
             elif _is_bn_counter(node):
                 changed |= _set_arg(node, 1, "other", 1 if bn_training else 0)
@@ -437,6 +444,70 @@ def _restore_relus(module: nn.Module) -> None:
         nodes = [n for n in gm.graph.nodes if _ORIGINAL_TARGET in n.meta]
         for node in nodes:
             node.target = node.meta.pop(_ORIGINAL_TARGET)
+        return bool(nodes)
+
+    _rewrite_graphs(module, to_aten)
+
+
+def _folded_batch_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, running_mean: torch.Tensor,
+                       running_var: torch.Tensor, training: bool, momentum: float, eps: float, cudnn_enabled: bool, *,
+                       layer_output: torch.Tensor, scale_factor: torch.Tensor,
+                       layer_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``aten.batch_norm`` of a QAT conv-bn fold's ``input = layer_output / scale_factor [+ layer_bias]``; with
+    ``training=False`` (BatchNorm frozen) the fold whole: ``layer_output + (layer_bias - mean) * s + beta``, ``s =
+    gamma / running_std`` (``scale_factor``, shaped per output channel), the same function up to float rounding
+    without the output-sized division and BatchNorm (the FX engine's
+    :func:`~qlightning.engines.fx.fast_fq.frozen_bn_bias`). The division, then unused, is dropped by the compiler."""
+    if training:
+        return _aten.batch_norm.default(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                                        cudnn_enabled)
+    shift = bias - running_mean * scale_factor.reshape(-1)
+    out = layer_output + shift.reshape(scale_factor.shape)
+    return out if layer_bias is None else out + layer_bias * scale_factor
+
+
+def _fold_frozen_batch_norms(module: nn.Module) -> None:
+    """Point every ``aten.batch_norm`` node fed by a QAT conv-bn fold (``div(conv, s) [+ bias]``, torchao's
+    ``_qat_conv_bn_pattern``) at :func:`_folded_batch_norm`, given the fold's parts: compiled with the BatchNorm
+    frozen, torchao's fold still divides the full conv output and runs the BatchNorm over it, a fused pass forward
+    and reductions backward each (notes/perf.md section 38). Undone by :func:`_restore_batch_norms`.
+
+    Args:
+        module: the prepared module.
+    """
+
+    def fold(gm: torch.fx.GraphModule) -> bool:
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target is not _aten.batch_norm.default or node.kwargs:
+                continue
+            source, layer_bias = node.args[0], None
+            if (isinstance(source, torch.fx.Node) and source.target is _aten.add.Tensor and len(source.users) == 1
+                    and isinstance(source.args[0], torch.fx.Node) and isinstance(source.args[1], torch.fx.Node)):
+                source, layer_bias = source.args
+            if (not isinstance(source, torch.fx.Node) or source.target is not _aten.div.Tensor
+                    or not all(isinstance(a, torch.fx.Node) for a in source.args)):
+                continue
+            layer_output, scale_factor = source.args
+            if layer_output.target not in _FOLDED_LAYERS:
+                continue
+            node.meta[_ORIGINAL_TARGET] = node.target
+            node.target = _folded_batch_norm
+            node.kwargs = {"layer_output": layer_output, "scale_factor": scale_factor, "layer_bias": layer_bias}
+            changed = True
+        return changed
+
+    _rewrite_graphs(module, fold)
+
+
+def _restore_batch_norms(module: nn.Module) -> None:
+    """Undo :func:`_fold_frozen_batch_norms`: ``aten.batch_norm`` again (torchao's convert matches it)."""
+
+    def to_aten(gm: torch.fx.GraphModule) -> bool:
+        nodes = [n for n in gm.graph.nodes if n.target is _folded_batch_norm]
+        for node in nodes:
+            node.target = node.meta.pop(_ORIGINAL_TARGET)
+            node.kwargs = {}
         return bool(nodes)
 
     _rewrite_graphs(module, to_aten)
@@ -1301,7 +1372,8 @@ class Pt2eEngine(QuantEngine):
 
         Unlike torch.ao's, torchao's fake-quants are not on dynamo's skip list, but their fused op reads its
         flags on the host. The exported graph's ReLU and ReLU6 ops take a float gradient mask
-        (:func:`_float_mask_relus`: aten's bool mask was saved in residual blocks); the BatchNorm freeze and
+        (:func:`_float_mask_relus`: aten's bool mask was saved in residual blocks), a frozen BatchNorm folds whole
+        into its conv (:func:`_fold_frozen_batch_norms`); the BatchNorm freeze and
         train/eval rewrite the graph's BatchNorm nodes, and each distinct graph compiles once.
         The conv-bn fold reads the running variance from a snapshot taken before each compiled call
         (:func:`_folds_from_snapshots`).
@@ -1314,6 +1386,7 @@ class Pt2eEngine(QuantEngine):
         fake_quants = make_traceable(module)
         snapshots = _folds_from_snapshots(module)
         _float_mask_relus(module)
+        _fold_frozen_batch_norms(module)
         compile_training_forward(module, fake_quants, snapshots, **compile_kwargs)
         return True
 
@@ -1324,6 +1397,7 @@ class Pt2eEngine(QuantEngine):
             module: the prepared module.
         """
         uncompile(module)
+        _restore_batch_norms(module)
         _restore_relus(module)
         _unfold_snapshots(module)
         restore_fake_quants(module)
