@@ -643,8 +643,22 @@ def _graph_targets(module: torch.nn.Module) -> list:
     return [n.target for g in module.modules() if isinstance(g, torch.fx.GraphModule) for n in g.graph.nodes]
 
 
+class ConvBiasBnNet(torch.nn.Module):
+    """Convolutions with their own bias before BatchNorm (the folds add it after taking the scale back out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.BatchNorm2d(16)
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))).mean((2, 3)))
+
+
 @pytest.mark.parametrize("engine_name,net_cls", [("fx", DigitsCNN), ("fx", LinearBnNet), ("fx", InvertedResidualNet),
-                                                  ("pt2e", DigitsCNN), ("pt2e", InvertedResidualNet)])
+                                                  ("fx", ConvBiasBnNet), ("pt2e", DigitsCNN),
+                                                  ("pt2e", InvertedResidualNet), ("pt2e", ConvBiasBnNet)])
 def test_the_folds_divide_the_weight_and_fold_a_frozen_batch_norm_whole(engine_name, net_cls):
     """torch.ao's and torchao's conv-bn (linear-bn) QAT folds divide the layer's full output by ``gamma /
     running_std`` and, with the BatchNorm frozen, still run it over that output: compiled, a fused pass forward and

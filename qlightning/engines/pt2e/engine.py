@@ -479,11 +479,13 @@ def _fold_frozen_batch_norms(module: nn.Module) -> None:
     def fold(gm: torch.fx.GraphModule) -> bool:
         changed = False
         for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target is not _aten.batch_norm.default or node.kwargs:
+            if (node.op != "call_function" or node.target is not _aten.batch_norm.default or node.kwargs
+                    or node.args[1] is None or node.args[2] is None):  # an affine BatchNorm, as torchao's fold
                 continue
             source, layer_bias = node.args[0], None
             if (isinstance(source, torch.fx.Node) and source.target is _aten.add.Tensor and len(source.users) == 1
-                    and isinstance(source.args[0], torch.fx.Node) and isinstance(source.args[1], torch.fx.Node)):
+                    and isinstance(source.args[0], torch.fx.Node) and isinstance(source.args[1], torch.fx.Node)
+                    and source.args[1].target in (_aten.reshape.default, _aten.view.default)):  # the conv's bias
                 source, layer_bias = source.args
             if (not isinstance(source, torch.fx.Node) or source.target is not _aten.div.Tensor
                     or not all(isinstance(a, torch.fx.Node) for a in source.args)):
