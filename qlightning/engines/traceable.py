@@ -439,6 +439,26 @@ def folded_variance(running_var: torch.Tensor, snapshot: torch.Tensor) -> torch.
     return snapshot if torch.compiler.is_compiling() else running_var
 
 
+def frozen_batch_norm_bias(beta: torch.Tensor, running_mean: torch.Tensor, scale_factor: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The bias of a conv-bn (or linear-bn) QAT fold whose BatchNorm normalizes with its running statistics
+    (frozen, or eval), folded into the layer: ``bn(y / s + b) = y + (b - mean) * s + beta`` for ``y`` the layer's
+    output with the weight ``fq(w * s)`` and ``s = gamma / running_std`` (``scale_factor``).
+
+    torch.ao's and torchao's folds compute ``y / s`` and the BatchNorm over the full output, forward and backward
+    (``s`` taken back out, ``s / s``); folded, neither runs. The same function up to float rounding, the same
+    gradients (``s``'s reaches ``gamma`` through the weight and this bias). Both engines' folds use it.
+
+    Args:
+        beta: the BatchNorm's bias, one value per output channel.
+        running_mean: its running mean.
+        scale_factor: ``gamma / running_std``, 1-D.
+        bias: the layer's own bias (1-D), or ``None``.
+    """
+    shift = beta - running_mean * scale_factor
+    return shift if bias is None else shift + bias * scale_factor
+
+
 def _resolve_snapshots(module: nn.Module, snapshots: Sequence[tuple[str, str]]) -> list[tuple[nn.Module, str, nn.Module, str]]:
     """``(source owner, buffer name, target owner, buffer name)`` for each ``(source, target)`` buffer path of
     ``module``: the owners once, the buffers looked up at each call (``module.to()`` replaces them)."""

@@ -50,6 +50,7 @@ from qlightning.engines.base import (
     centres_on_zero, dense_order, fused_fake_quant, fused_forward, observe_min_max, straddle_zero_,
 )
 from qlightning.engines.fx.ao import quiet_torch_ao
+from qlightning.engines.traceable import frozen_batch_norm_bias
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 
 with quiet_torch_ao():
@@ -653,13 +654,7 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
 
 
 def frozen_bn_bias(conv_bn: nn.Module, scale_factor: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The bias of a conv-bn (or linear-bn) whose BatchNorm normalizes with its running statistics (frozen, or
-    eval), folded into the layer: ``bn(y / s + b) = y + (b - mean) * s + beta`` for ``y`` the layer's output with
-    the weight ``fq(w * s)`` and ``s = gamma / running_std`` (``scale_factor``, one value per output channel).
-
-    torch.ao computes ``y / s`` and the BatchNorm over the full output, forward and backward (with ``s`` taken
-    back out, ``s / s``); folded, neither runs. The same function up to float rounding, the same gradients
-    (``s``'s reaches ``gamma`` through the weight and this bias).
+    """:func:`~qlightning.engines.traceable.frozen_batch_norm_bias` of a torch.ao QAT module's BatchNorm.
 
     Args:
         conv_bn: torch.ao's QAT conv-bn or linear-bn module.
@@ -667,8 +662,7 @@ def frozen_bn_bias(conv_bn: nn.Module, scale_factor: torch.Tensor, bias: Optiona
         bias: the layer's own bias, or ``None``.
     """
     bn = conv_bn._modules["bn"]
-    shift = _parameter(bn, "bias") - bn._buffers["running_mean"] * scale_factor
-    return shift if bias is None else shift + bias * scale_factor
+    return frozen_batch_norm_bias(_parameter(bn, "bias"), bn._buffers["running_mean"], scale_factor, bias)
 
 
 def _parameter(module: nn.Module, name: str) -> Any:

@@ -50,7 +50,8 @@ from qlightning.engines.base import (
 )
 from qlightning.engines.names import plain, resolve_reference
 from qlightning.engines.traceable import (
-    compile_training_forward, folded_variance, hardtanh, make_traceable, relu, restore_fake_quants, uncompile,
+    compile_training_forward, folded_variance, frozen_batch_norm_bias, hardtanh, make_traceable, relu,
+    restore_fake_quants, uncompile,
 )
 from qlightning.core.quiet import quiet
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
@@ -412,7 +413,28 @@ _FLOAT_MASK_OPS = {
     **{getattr(_aten, n).default: relu for n in ("relu", "relu_") if hasattr(_aten, n)},
     **{getattr(_aten, n).default: _aten_hardtanh for n in ("hardtanh", "hardtanh_") if hasattr(_aten, n)},
 }
-_ORIGINAL_TARGET = "qlightning_float_mask_of"
+#: a node's (target, kwargs) before a compiled-path rewrite (:func:`_retarget`), put back by :func:`_restore_targets`
+_ORIGINAL_TARGET = "qlightning_original_target"
+
+
+def _retarget(node: torch.fx.Node, target: Callable, kwargs: dict[str, Any] | None = None) -> None:
+    node.meta[_ORIGINAL_TARGET] = (node.target, node.kwargs)
+    node.target = target
+    if kwargs is not None:
+        node.kwargs = kwargs
+
+
+def _restore_targets(module: nn.Module) -> None:
+    """Undo :func:`_float_mask_relus` and :func:`_fold_frozen_batch_norms`: the aten ops again (torchao's convert
+    matches them)."""
+
+    def to_aten(gm: torch.fx.GraphModule) -> bool:
+        nodes = [n for n in gm.graph.nodes if _ORIGINAL_TARGET in n.meta]
+        for node in nodes:
+            node.target, node.kwargs = node.meta.pop(_ORIGINAL_TARGET)
+        return bool(nodes)
+
+    _rewrite_graphs(module, to_aten)
 
 
 def _float_mask_relus(module: nn.Module) -> None:
@@ -421,7 +443,7 @@ def _float_mask_relus(module: nn.Module) -> None:
     partition saves from the forward where a ReLU's output has several users (a residual block's ReLU feeds its
     fake-quant and the skip add) and its C++ code stores an element at a time: the ResNet-18-like net's compiled
     observing step took 1.21x the float step against the FX engine's 1.05x (notes/perf.md section 37). Undone by
-    :func:`_restore_relus`.
+    :func:`_restore_targets`.
 
     Args:
         module: the prepared module.
@@ -430,23 +452,10 @@ def _float_mask_relus(module: nn.Module) -> None:
     def to_float_masks(gm: torch.fx.GraphModule) -> bool:
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _FLOAT_MASK_OPS]
         for node in nodes:
-            node.meta[_ORIGINAL_TARGET] = node.target
-            node.target = _FLOAT_MASK_OPS[node.target]
+            _retarget(node, _FLOAT_MASK_OPS[node.target])
         return bool(nodes)
 
     _rewrite_graphs(module, to_float_masks)
-
-
-def _restore_relus(module: nn.Module) -> None:
-    """Undo :func:`_float_mask_relus`: the aten ops again (torchao's convert matches them)."""
-
-    def to_aten(gm: torch.fx.GraphModule) -> bool:
-        nodes = [n for n in gm.graph.nodes if _ORIGINAL_TARGET in n.meta]
-        for node in nodes:
-            node.target = node.meta.pop(_ORIGINAL_TARGET)
-        return bool(nodes)
-
-    _rewrite_graphs(module, to_aten)
 
 
 def _folded_batch_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, running_mean: torch.Tensor,
@@ -456,21 +465,22 @@ def _folded_batch_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """``aten.batch_norm`` of a QAT conv-bn fold's ``input = layer_output / scale_factor [+ layer_bias]``; with
     ``training=False`` (BatchNorm frozen) the fold whole: ``layer_output + (layer_bias - mean) * s + beta``, ``s =
     gamma / running_std`` (``scale_factor``, shaped per output channel), the same function up to float rounding
-    without the output-sized division and BatchNorm (the FX engine's
-    :func:`~qlightning.engines.fx.fast_fq.frozen_bn_bias`). The division, then unused, is dropped by the compiler."""
+    without the output-sized division and BatchNorm
+    (:func:`~qlightning.engines.traceable.frozen_batch_norm_bias`). The division, then unused, is dropped by the
+    compiler."""
     if training:
         return _aten.batch_norm.default(input, weight, bias, running_mean, running_var, training, momentum, eps,
                                         cudnn_enabled)
-    shift = bias - running_mean * scale_factor.reshape(-1)
-    out = layer_output + shift.reshape(scale_factor.shape)
-    return out if layer_bias is None else out + layer_bias * scale_factor
+    folded = frozen_batch_norm_bias(bias, running_mean, scale_factor.reshape(-1),
+                                    None if layer_bias is None else layer_bias.reshape(-1))
+    return layer_output + folded.reshape(scale_factor.shape)
 
 
 def _fold_frozen_batch_norms(module: nn.Module) -> None:
     """Point every ``aten.batch_norm`` node fed by a QAT conv-bn fold (``div(conv, s) [+ bias]``, torchao's
     ``_qat_conv_bn_pattern``) at :func:`_folded_batch_norm`, given the fold's parts: compiled with the BatchNorm
     frozen, torchao's fold still divides the full conv output and runs the BatchNorm over it, a fused pass forward
-    and reductions backward each (notes/perf.md section 38). Undone by :func:`_restore_batch_norms`.
+    and reductions backward each (notes/perf.md section 38). Undone by :func:`_restore_targets`.
 
     Args:
         module: the prepared module.
@@ -493,26 +503,12 @@ def _fold_frozen_batch_norms(module: nn.Module) -> None:
             layer_output, scale_factor = source.args
             if layer_output.target not in _FOLDED_LAYERS:
                 continue
-            node.meta[_ORIGINAL_TARGET] = node.target
-            node.target = _folded_batch_norm
-            node.kwargs = {"layer_output": layer_output, "scale_factor": scale_factor, "layer_bias": layer_bias}
+            _retarget(node, _folded_batch_norm,
+                      {"layer_output": layer_output, "scale_factor": scale_factor, "layer_bias": layer_bias})
             changed = True
         return changed
 
     _rewrite_graphs(module, fold)
-
-
-def _restore_batch_norms(module: nn.Module) -> None:
-    """Undo :func:`_fold_frozen_batch_norms`: ``aten.batch_norm`` again (torchao's convert matches it)."""
-
-    def to_aten(gm: torch.fx.GraphModule) -> bool:
-        nodes = [n for n in gm.graph.nodes if n.target is _folded_batch_norm]
-        for node in nodes:
-            node.target = node.meta.pop(_ORIGINAL_TARGET)
-            node.kwargs = {}
-        return bool(nodes)
-
-    _rewrite_graphs(module, to_aten)
 
 
 class _ExportedTrainEval:
@@ -1399,8 +1395,7 @@ class Pt2eEngine(QuantEngine):
             module: the prepared module.
         """
         uncompile(module)
-        _restore_batch_norms(module)
-        _restore_relus(module)
+        _restore_targets(module)
         _unfold_snapshots(module)
         restore_fake_quants(module)
 
