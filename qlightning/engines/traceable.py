@@ -109,8 +109,7 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
     """
     with torch.no_grad():
         zp = zero_point.to(x.dtype)
-        q = torch.round((torch.relu(x) if relu else x) * torch.reciprocal(scale)) + zp
-        clamped = torch.clamp(q, qmin, qmax)
+        q, clamped = _codes(torch.relu(x) if relu else x, scale, zp, qmin, qmax)
         # The mask in float arithmetic, with no bool on the way: inductor's C++ code stores a bool vector an
         # element at a time (131k elements: 700 us against 35 us at 1 thread, torch 2.13), and its partitioner
         # saves the smallest tensor for the backward, so a bool anywhere in the mask got stored. q and its clamp
@@ -123,6 +122,18 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
         out = (clamped - zp) * scale
     # forward: out + 0; backward: the mask (the straight-through estimator torch.ao's cachemask ops implement)
     return out + (x - x.detach()) * inside
+
+
+def _codes(x: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, qmin: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``round(x / s) + zp`` (as ``x * (1/s)``, the fused op's arithmetic) and its clamp to ``[qmin, qmax]``."""
+    q = torch.round(x * torch.reciprocal(scale)) + zp
+    return q, torch.clamp(q, qmin, qmax)
+
+
+def _on_grid(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """:func:`fake_quantize`'s values of ``x``, without its gradient: the same arithmetic, element for element."""
+    zp = zero_point.to(x.dtype)
+    return (_codes(x, scale, zp, qmin, qmax)[1] - zp) * scale
 
 
 def _positive(x: torch.Tensor) -> torch.Tensor:
@@ -182,12 +193,28 @@ def traceable_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
     Args:
         X: the input; returned unchanged when fake-quant is off.
     """
+    return fake_quant_with_range(self, X)[0]
+
+
+def fake_quant_with_range(self: nn.Module, X: torch.Tensor, input_range: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """:func:`traceable_forward`'s output, and while observing (per tensor) its output's ``(min, max)``.
+
+    The output's range is the fake-quant of the observed input's (fake-quant is monotone), a few scalar ops. A
+    caller that knows ``X``'s range passes it as ``input_range`` and the call observes it without reading ``X``:
+    the same values as ``aminmax(X)`` where ``X`` is a monotone function of an output whose range this returned.
+
+    Args:
+        X: the input; returned unchanged when fake-quant is off.
+        input_range: ``X``'s ``(min, max)`` (per-tensor fake-quants), or ``None`` to read them from ``X``.
+    """
     obs = self.activation_post_process
     # compiled: the guarded Python copy of the flags (refreshed by the compiled caller); eager: the buffers
     observe, fake_quant = self.__dict__["_qlightning_flags"] if torch.compiler.is_compiling() else _flags(self)
     relu_first = self.__dict__.get("_qlightning_relu", False)  # the ReLU before it is fused in (make_traceable)
     qmin, qmax = obs.quant_min, obs.quant_max
     min_val, max_val = obs.min_val, obs.max_val
+    observed = None
     if observe:
         with torch.no_grad():
             x = X.detach()
@@ -198,16 +225,17 @@ def traceable_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
                 rows = (x if self.ch_axis == 0 else x.transpose(0, self.ch_axis)).flatten(1)
                 current_min, current_max = rows.amin(1), rows.amax(1)
             else:
-                current_min, current_max = torch.aminmax(x)
+                current_min, current_max = torch.aminmax(x) if input_range is None else input_range
                 if relu_first:  # ReLU is monotone: the range of relu(x) is relu of x's
                     current_min, current_max = torch.relu(current_min), torch.relu(current_max)
+                observed = current_min, current_max
             c = obs.averaging_constant
             min_val.copy_(torch.where(torch.isinf(min_val), current_min, min_val + c * (current_min - min_val)))
             max_val.copy_(torch.where(torch.isinf(max_val), current_max, max_val + c * (current_max - max_val)))
             if centres_on_zero(self):  # ZeroCenteredWeightRange
                 straddle_zero_(obs)
     if not fake_quant:
-        return relu(X) if relu_first else X
+        return (relu(X) if relu_first else X), observed
     if observe:
         with torch.no_grad():
             scale, zero_point = choose_qparams(min_val, max_val, qmin, qmax, self.is_symmetric_quant)
@@ -224,7 +252,10 @@ def traceable_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
     if self.is_per_channel:
         shape = [-1 if i == self.ch_axis else 1 for i in range(X.dim())]
         scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
-    return fake_quantize(X, scale, zero_point, qmin, qmax, relu=relu_first)
+    if observed is not None:
+        with torch.no_grad():
+            observed = tuple(_on_grid(v, scale, zero_point, qmin, qmax) for v in observed)
+    return fake_quantize(X, scale, zero_point, qmin, qmax, relu=relu_first), observed
 
 
 def fixed_qparams_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:

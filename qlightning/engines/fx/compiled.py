@@ -8,7 +8,9 @@ inside the fake-quant after it where it is that fake-quant's only producer (the 
 which inductor stores an element at a time), its ReLU6 / Hardtanh modules too (a float-mask ``hardtanh``), and torch.ao's conv-bn and linear-bn QAT modules, whose fold reads
 the running variance through :func:`~qlightning.engines.traceable.folded_variance` (compiled, a snapshot taken
 before the call: the compiled backward read it after the training batch_norm had updated it), divides the weight
-rather than the output by the BatchNorm's scale, and with the BatchNorm frozen folds it whole (:func:`_fold`).
+rather than the output by the BatchNorm's scale, and with the BatchNorm frozen folds it whole (:func:`_fold`). A
+fake-quant torch.ao shares across a ReLU6 (Hardtanh, ReLU), called before and after it, observes the second call's
+range from the first's instead of reading the tensor again (:func:`_fuse_shared_fake_quants`).
 
 Classes, buffers and ``state_dict`` keys stay torch.ao's, so ``convert_fx`` is unchanged; :func:`decompile`
 undoes everything (the engine calls it before converting).
@@ -16,6 +18,7 @@ undoes everything (the engine calls it before converting).
 
 from __future__ import annotations
 
+import copy
 import types
 from typing import Any
 
@@ -28,6 +31,7 @@ from qlightning.engines.fx.fast_fq import CONV_BN_RELU, frozen_bn_bias, fuse_rel
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 from qlightning.engines.traceable import (
     compile_training_forward,
+    fake_quant_with_range,
     folded_variance,
     hardtanh,
     relu,
@@ -98,6 +102,93 @@ def _hardtanh_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
 def _conv_bn_relu_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """``ConvBnReLU*d.forward`` (``F.relu(self._forward(input))``) with :func:`relu`'s float mask."""
     return relu(self._forward(input))
+
+
+#: activation modules that are elementwise and non-decreasing: the range of ``f(x)`` is ``f`` of ``x``'s range
+MONOTONE_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.Hardtanh)
+#: where :func:`_fuse_shared_fake_quants` keeps a graph module's graph as it was
+ORIGINAL_GRAPH = "_qlightning_original_graph"
+
+
+def fake_quant_activation_fake_quant(fake_quant: nn.Module, activation: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """``fake_quant(activation(fake_quant(input)))``, the second call observing the range the first call's output
+    range maps to, instead of reading the activation's output again (:func:`_fuse_shared_fake_quants`).
+
+    Args:
+        fake_quant: a traceable per-tensor fake-quant, called twice.
+        activation: one of :data:`MONOTONE_ACTIVATIONS`.
+        input: the first call's input.
+    """
+    out, observed = fake_quant_with_range(fake_quant, input)
+    y = activation(out)
+    if observed is not None:
+        with torch.no_grad():
+            low, high = observed
+            if type(activation) is nn.ReLU:
+                observed = torch.relu(low), torch.relu(high)
+            else:
+                observed = (torch.clamp(low, activation.min_val, activation.max_val),
+                            torch.clamp(high, activation.min_val, activation.max_val))
+    return fake_quant_with_range(fake_quant, y, observed)[0]
+
+
+def _fuse_shared_fake_quants(module: nn.Module) -> int:
+    """In each graph module of ``module``, replace ``fq(act(fq(x)))`` (one fake-quant module at both sites, ``act``
+    a ReLU / ReLU6 / Hardtanh module, nothing else reading either output) by one call of
+    :func:`fake_quant_activation_fake_quant`; return how many.
+
+    torch.ao's x86 config gives a ReLU6 (and Hardtanh, and a ReLU it does not fuse) its input's fake-quant: the
+    graph observes the conv-bn output and then the ReLU6's output with the same module, each observation a full
+    read (a reduction) of the tensor. The second is known from the first (the fake-quant and the activation are
+    both monotone): compiled, a MobileNetV2-like step held one such reduction per inverted-residual ReLU6
+    (notes/perf.md section 39). The same values; the original graph is kept for :func:`_unfuse_shared_fake_quants`
+    (node names are what torch.ao's convert reads its qconfigs by).
+
+    Args:
+        module: the prepared module.
+    """
+    count = 0
+    for gm in [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]:
+        original = copy.deepcopy(gm.graph)
+        fused = 0
+        for second in list(gm.graph.nodes):
+            if second.op != "call_module" or len(second.args) != 1 or second.kwargs:
+                continue
+            act = second.args[0]
+            if not (isinstance(act, torch.fx.Node) and act.op == "call_module" and len(act.users) == 1
+                    and len(act.args) == 1 and not act.kwargs):
+                continue
+            first = act.args[0]
+            if not (isinstance(first, torch.fx.Node) and first.op == "call_module" and len(first.users) == 1
+                    and len(first.args) == 1 and not first.kwargs):
+                continue
+            fake_quant, activation = gm.get_submodule(second.target), gm.get_submodule(act.target)
+            # torch.ao registers a shared fake-quant under one name per site
+            if (gm.get_submodule(first.target) is not fake_quant
+                    or getattr(fake_quant.__dict__.get("forward"), "__func__", None) is not traceable_forward
+                    or fake_quant.is_per_channel or type(activation) not in MONOTONE_ACTIVATIONS):
+                continue
+            with gm.graph.inserting_before(second):
+                call = gm.graph.call_function(fake_quant_activation_fake_quant, (
+                    gm.graph.get_attr(second.target), gm.graph.get_attr(act.target), first.args[0]))
+            second.replace_all_uses_with(call)
+            for node in (second, act, first):
+                gm.graph.erase_node(node)
+            fused += 1
+        if fused:
+            gm.__dict__[ORIGINAL_GRAPH] = original
+            gm.recompile()
+            count += fused
+    return count
+
+
+def _unfuse_shared_fake_quants(module: nn.Module) -> None:
+    """Undo :func:`_fuse_shared_fake_quants`: each graph module's original graph, its node names included."""
+    for gm in module.modules():
+        original = gm.__dict__.pop(ORIGINAL_GRAPH, None)
+        if original is not None:
+            gm.graph = original
+            gm.recompile()
 
 
 def _folds_from_snapshots(module: nn.Module) -> list[tuple[str, str]]:
@@ -189,6 +280,7 @@ def compile_for_training(module: nn.Module, **compile_kwargs: Any) -> int:
     """
     decompile(module)
     count = make_traceable(module)
+    _fuse_shared_fake_quants(module)
     snapshots = _folds_from_snapshots(module)
     compile_training_forward(module, list(traceable_fake_quants(module)), snapshots, **compile_kwargs)
     return count
@@ -201,6 +293,7 @@ def decompile(module: nn.Module) -> int:
         module: the module (and its submodules) to restore to their class forwards.
     """
     uncompile(module)
+    _unfuse_shared_fake_quants(module)
     _unfold_snapshots(module)
     if any(True for _ in traceable_fake_quants(module)):  # the ReLUs fused by make_traceable (a module on the eager fast path keeps the fast path's)
         unfuse_relu_fake_quant(module)
