@@ -665,8 +665,8 @@ def test_the_folds_divide_the_weight_and_fold_a_frozen_batch_norm_whole(engine_n
     reductions backward each. FX compiled with BatchNorm frozen was slower than with it training (stem + 2
     BasicBlocks 127 ms against 117; 3 inverted-residual blocks 1.44x the float step, PT2E 1.12x; notes/perf.md
     section 38). Frozen, the folds now fold the BatchNorm whole into the layer's bias, eagerly (the FX fast path)
-    and compiled (both engines), and the FX engine's divide the weight while BatchNorm trains: the compiled aten
-    graphs hold no output-sized division (FX) and, frozen, neither that nor a batch_norm (both); no conv-bn's
+    and compiled (both engines), and while BatchNorm trains they divide the weight (both engines; PT2E since stop
+    54): the compiled aten graphs hold no output-sized division and, frozen, no batch_norm either; no conv-bn's
     BatchNorm module runs eagerly when frozen (FX); losses and gradients are the uncompiled fold's (torch.ao's own,
     the fast path off, for FX) up to float rounding in every phase, and so is the int8 model."""
     from functorch.compile import make_boxed_func
@@ -720,7 +720,7 @@ def test_the_folds_divide_the_weight_and_fold_a_frozen_batch_norm_whole(engine_n
         ops = [(str(n.target), n.meta["val"].numel()) for g in graphs for n in g.graph.nodes
                if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)]
         divisions = [op for op in ops if op[0] == "aten.div.Tensor" and op[1] > largest_weight]
-        assert graphs and (not divisions if engine_name == "fx" or frozen else divisions), (phase, divisions)
+        assert graphs and not divisions, (phase, divisions)
         assert any("batch_norm" in str(n.target) for g in graphs for n in g.graph.nodes) != frozen, phase
         assert (len(bn_calls) == 0) == (frozen or not batch_norms), phase
     spec = QuantSpec(backend="x86")

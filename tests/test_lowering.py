@@ -1020,3 +1020,24 @@ def test_each_timing_block_starts_after_the_previous_runtime_settles(monkeypatch
     starts = [i for i in calls if i == 0 or events[i - 1] != events[i]]  # the first call of each block
     assert len(starts) == 6  # 3 runtimes x 2 rounds
     assert all(i > 0 and events[i - 1] == 0.05 for i in starts), events
+
+
+def test_a_metric_that_meets_its_threshold_is_not_held_to_the_fallbacks():
+    """Zoo, stop 54 (AVX-512 EPYC): efficientnet_b0 PT2E's inductor module read 42.5 dB and 0.984 top-1 agreement
+    against the fake-quant model, the eager q/dq graph (the fallback, shipped anyway) 44.6 dB and 0.984. The
+    agreement missed 0.99 in both (near-ties the parity gate warns about), so the candidate was held to the
+    fallback on both metrics, and its SQNR, far above 25 dB but 2.1 dB under the fallback's, refused it: ``auto``
+    shipped the q/dq graph at 0.67x float instead of inductor at 8x its speed. Each metric is now held to the
+    fallback only where it misses its own threshold."""
+    from qlightning.quantize.lowering import _parity_problems
+
+    def choice(sqnr: float, top1: float) -> LoweringChoice:
+        return LoweringChoice(name="fx", module=nn.Identity(), sqnr_db={"fx": 44.62, "inductor": sqnr},
+                              top1_agreement={"fx": 0.9844, "inductor": top1}, top1_rows={"fx": 128, "inductor": 128})
+
+    assert _parity_problems(choice(42.47, 0.9844), "inductor", "fx", tolerance_db=1.0) == []
+    # a real drop in agreement is still refused, and so is an SQNR under 25 dB the fallback does not share
+    assert _parity_problems(choice(42.47, 0.90), "inductor", "fx", tolerance_db=1.0) == ["top-1 agreement 0.900 < 0.99"]
+    assert _parity_problems(choice(20.0, 0.9844), "inductor", "fx", tolerance_db=1.0) == ["SQNR 20.0 dB < 25.0 dB"]
+    # thresholds only: both metrics must meet them
+    assert _parity_problems(choice(42.47, 0.9844), "inductor", "fx", tolerance_db=None) == ["top-1 agreement 0.984 < 0.99"]

@@ -461,26 +461,43 @@ def _float_mask_relus(module: nn.Module) -> None:
 def _folded_batch_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, running_mean: torch.Tensor,
                        running_var: torch.Tensor, training: bool, momentum: float, eps: float, cudnn_enabled: bool, *,
                        layer_output: torch.Tensor, scale_factor: torch.Tensor,
-                       layer_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``aten.batch_norm`` of a QAT conv-bn fold's ``input = layer_output / scale_factor [+ layer_bias]``; with
-    ``training=False`` (BatchNorm frozen) the fold whole: ``layer_output + (layer_bias - mean) * s + beta``, ``s =
-    gamma / running_std`` (``scale_factor``, shaped per output channel), the same function up to float rounding
-    without the output-sized division and BatchNorm
-    (:func:`~qlightning.engines.traceable.frozen_batch_norm_bias`). The division, then unused, is dropped by the
-    compiler."""
-    if training:
-        return _aten.batch_norm.default(input, weight, bias, running_mean, running_var, training, momentum, eps,
-                                        cudnn_enabled)
-    folded = frozen_batch_norm_bias(bias, running_mean, scale_factor.reshape(-1),
-                                    None if layer_bias is None else layer_bias.reshape(-1))
-    return layer_output + folded.reshape(scale_factor.shape)
+                       layer_bias: Optional[torch.Tensor] = None, layer: Optional[str] = None,
+                       layer_args: Optional[tuple[Any, ...]] = None) -> torch.Tensor:
+    """``aten.batch_norm`` of a QAT conv-bn fold's ``input = layer_output / scale_factor [+ layer_bias]``, with
+    ``layer_output = layer(*layer_args)``, ``layer_args = (x, fq(w * s), zero bias, ...)``.
+
+    BatchNorm training, the division is on the weight, ``layer(x, fq(w * s) / s, ...)``, as the FX engine's fold
+    (where ``layer`` names an ``aten`` convolution); with ``training=False`` (BatchNorm frozen) the fold is whole:
+    ``layer_output + (layer_bias - mean) * s + beta``, ``s = gamma / running_std`` (``scale_factor``, shaped per
+    output channel; :func:`~qlightning.engines.traceable.frozen_batch_norm_bias`). The same function up to float
+    rounding, without torchao's output-sized division (and, frozen, its BatchNorm); the unused division and
+    convolution are dropped by the compiler."""
+    if not training:
+        folded = frozen_batch_norm_bias(bias, running_mean, scale_factor.reshape(-1),
+                                        None if layer_bias is None else layer_bias.reshape(-1))
+        return layer_output + folded.reshape(scale_factor.shape)
+    if layer is not None and layer_args is not None:
+        x, scaled_weight, *rest = layer_args
+        per_output_channel = scale_factor.reshape([-1] + [1] * (scaled_weight.dim() - 1))
+        input = getattr(_aten, layer)(x, scaled_weight / per_output_channel, *rest)
+        if layer_bias is not None:
+            input = input + layer_bias
+    return _aten.batch_norm.default(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                                    cudnn_enabled)
+
+
+#: the convolutions whose output channels are their weight's first dimension (a transposed one's are not)
+_WEIGHT_DIVIDED_LAYERS = {
+    overload: name for name in ("conv1d", "conv2d", "conv3d") if hasattr(_aten, name)
+    for overload in (getattr(getattr(_aten, name), o) for o in getattr(_aten, name).overloads())
+}
 
 
 def _fold_frozen_batch_norms(module: nn.Module) -> None:
     """Point every ``aten.batch_norm`` node fed by a QAT conv-bn fold (``div(conv, s) [+ bias]``, torchao's
-    ``_qat_conv_bn_pattern``) at :func:`_folded_batch_norm`, given the fold's parts: compiled with the BatchNorm
-    frozen, torchao's fold still divides the full conv output and runs the BatchNorm over it, a fused pass forward
-    and reductions backward each (notes/perf.md section 38). Undone by :func:`_restore_targets`.
+    ``_qat_conv_bn_pattern``) at :func:`_folded_batch_norm`, given the fold's parts: compiled, torchao's fold
+    divides the full conv output and, with the BatchNorm frozen, still runs the BatchNorm over it, a fused pass
+    forward and reductions backward each (notes/perf.md sections 38-40). Undone by :func:`_restore_targets`.
 
     Args:
         module: the prepared module.
@@ -503,8 +520,10 @@ def _fold_frozen_batch_norms(module: nn.Module) -> None:
             layer_output, scale_factor = source.args
             if layer_output.target not in _FOLDED_LAYERS:
                 continue
-            _retarget(node, _folded_batch_norm,
-                      {"layer_output": layer_output, "scale_factor": scale_factor, "layer_bias": layer_bias})
+            parts: dict[str, Any] = {"layer_output": layer_output, "scale_factor": scale_factor, "layer_bias": layer_bias}
+            if layer_output.target in _WEIGHT_DIVIDED_LAYERS and not layer_output.kwargs and len(layer_output.users) == 1:
+                parts.update(layer=_WEIGHT_DIVIDED_LAYERS[layer_output.target], layer_args=tuple(layer_output.args))
+            _retarget(node, _folded_batch_norm, parts)
             changed = True
         return changed
 
@@ -1370,8 +1389,9 @@ class Pt2eEngine(QuantEngine):
 
         Unlike torch.ao's, torchao's fake-quants are not on dynamo's skip list, but their fused op reads its
         flags on the host. The exported graph's ReLU and ReLU6 ops take a float gradient mask
-        (:func:`_float_mask_relus`: aten's bool mask was saved in residual blocks), a frozen BatchNorm folds whole
-        into its conv (:func:`_fold_frozen_batch_norms`); the BatchNorm freeze and
+        (:func:`_float_mask_relus`: aten's bool mask was saved in residual blocks), the conv-bn fold divides the
+        weight rather than the conv output, and a frozen BatchNorm folds whole into its conv
+        (:func:`_fold_frozen_batch_norms`); the BatchNorm freeze and
         train/eval rewrite the graph's BatchNorm nodes, and each distinct graph compiles once.
         The conv-bn fold reads the running variance from a snapshot taken before each compiled call
         (:func:`_folds_from_snapshots`).
