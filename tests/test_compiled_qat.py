@@ -8,6 +8,7 @@ model; ``auto`` decides from timed eager steps. Speed lives in ``python -m bench
 from __future__ import annotations
 
 import copy
+from typing import Any
 import statistics
 
 import lightning.pytorch as pl
@@ -643,6 +644,21 @@ def _graph_targets(module: torch.nn.Module) -> list:
     return [n.target for g in module.modules() if isinstance(g, torch.fx.GraphModule) for n in g.graph.nodes]
 
 
+def _aot_graphs() -> tuple[list, Any]:
+    """A list and a ``torch.compile`` backend that appends to it aot_autograd's forward and backward aten graphs
+    (run as eager aten ops, no code generation)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return graphs, aot_autograd(fw_compiler=capture, bw_compiler=capture)
+
+
 class ConvBiasBnNet(torch.nn.Module):
     """Convolutions with their own bias before BatchNorm (the folds add it after taking the scale back out)."""
 
@@ -669,15 +685,7 @@ def test_the_folds_divide_the_weight_and_fold_a_frozen_batch_norm_whole(engine_n
     54): the compiled aten graphs hold no output-sized division and, frozen, no batch_norm either; no conv-bn's
     BatchNorm module runs eagerly when frozen (FX); losses and gradients are the uncompiled fold's (torch.ao's own,
     the fast path off, for FX) up to float rounding in every phase, and so is the int8 model."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = []
-
-    def capture(gm: torch.fx.GraphModule, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
+    graphs, capture = _aot_graphs()
     torch._dynamo.reset()
     torch.manual_seed(0)
     x, y = _data()
@@ -692,7 +700,7 @@ def test_the_folds_divide_the_weight_and_fold_a_frozen_batch_norm_whole(engine_n
     eager, compiled = copy.deepcopy(reference), copy.deepcopy(reference)
     if engine_name == "fx":
         assert swap_fake_quant(eager, fake_quant=True, conv_bn=True, linear=True)
-    assert engine.compile_training(compiled, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    assert engine.compile_training(compiled, backend=capture)
     # the FX fast path folds conv-bn eagerly (torch.ao's LinearBn1d, rare, runs its own forward)
     batch_norms = [m.bn for m in eager.modules() if hasattr(m, "_forward_approximate")] if engine_name == "fx" else []
     bn_calls = []
@@ -751,17 +759,9 @@ def test_a_fake_quant_shared_across_a_relu6_observes_once_compiled():
     unfused compiled graph gives over every phase (aot_eager: the same aten ops, run eagerly), and the same as
     torch.ao's own eager modules up to the float rounding every compiled fold has; decompile gives torch.ao's graph
     back, node names included (convert reads qconfigs by them), and the same int8 model."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     import qlightning.engines.fx.compiled as compiled_module
 
-    graphs = []
-
-    def capture(gm: torch.fx.GraphModule, example_inputs):
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
+    graphs, capture = _aot_graphs()
     torch._dynamo.reset()
     torch.manual_seed(0)
     x, y = _data()
@@ -769,11 +769,11 @@ def test_a_fake_quant_shared_across_a_relu6_observes_once_compiled():
     reference = _prepare(InvertedResidualNet(), x, fast_qat=False)  # torch.ao's modules, eager
     names = [n.name for n in reference.graph.nodes]
     fused, unfused = copy.deepcopy(reference), copy.deepcopy(reference)
-    engine.compile_training(fused, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    engine.compile_training(fused, backend=capture)
     fuse = compiled_module._fuse_shared_fake_quants
     compiled_module._fuse_shared_fake_quants = lambda module: 0
     try:
-        engine.compile_training(unfused, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+        engine.compile_training(unfused, backend=capture)
     finally:
         compiled_module._fuse_shared_fake_quants = fuse
     smallest = max(p.numel() for p in reference.parameters())

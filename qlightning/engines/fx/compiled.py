@@ -149,8 +149,7 @@ def _fuse_shared_fake_quants(module: nn.Module) -> int:
     """
     count = 0
     for gm in [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]:
-        original = copy.deepcopy(gm.graph)
-        fused = 0
+        original = None
         for second in list(gm.graph.nodes):
             if second.op != "call_module" or len(second.args) != 1 or second.kwargs:
                 continue
@@ -168,17 +167,18 @@ def _fuse_shared_fake_quants(module: nn.Module) -> int:
                     or getattr(fake_quant.__dict__.get("forward"), "__func__", None) is not traceable_forward
                     or fake_quant.is_per_channel or type(activation) not in MONOTONE_ACTIVATIONS):
                 continue
+            if original is None:
+                original = copy.deepcopy(gm.graph)
             with gm.graph.inserting_before(second):
                 call = gm.graph.call_function(fake_quant_activation_fake_quant, (
                     gm.graph.get_attr(second.target), gm.graph.get_attr(act.target), first.args[0]))
             second.replace_all_uses_with(call)
             for node in (second, act, first):
                 gm.graph.erase_node(node)
-            fused += 1
-        if fused:
+            count += 1
+        if original is not None:
             gm.__dict__[ORIGINAL_GRAPH] = original
             gm.recompile()
-            count += fused
     return count
 
 
