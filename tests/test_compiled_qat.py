@@ -546,7 +546,7 @@ def test_compiled_relus_save_no_bool_mask_for_the_backward(engine_name, net_cls)
     section 36), and PT2E's ReLUs in residual blocks (a ReLU feeding its fake-quant and the skip add) saved one too:
     the ResNet-18-like net's PT2E compiled observing step 1.21x against FX's 1.05x (section 37). ReLU and ReLU6 now
     get a float mask in both engines: the forward graph that inductor's decompositions and min-cut partitioner make
-    saves no bool tensor (checked on that partition, without inductor's code generation), the compiled loss is the
+    saves no bool tensor larger than a channel vector (checked on that partition, without inductor's code generation), the compiled loss is the
     eager one (bit for bit through FX), and ``decompile`` gives back the eager model's own forwards and graphs."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
@@ -555,7 +555,7 @@ def test_compiled_relus_save_no_bool_mask_for_the_backward(engine_name, net_cls)
 
     def forward_compiler(gm: torch.fx.GraphModule, example_inputs):
         output = next(n for n in gm.graph.nodes if n.op == "output")
-        saved_dtypes.extend(a.meta["val"].dtype for a in output.args[0]
+        saved_dtypes.extend((a.meta["val"].dtype, a.meta["val"].numel()) for a in output.args[0]
                             if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor))
         return make_boxed_func(gm.forward)
 
@@ -578,7 +578,9 @@ def test_compiled_relus_save_no_bool_mask_for_the_backward(engine_name, net_cls)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         losses.append(loss.detach())
-    assert saved_dtypes and torch.bool not in saved_dtypes, saved_dtypes
+    # a bool as large as an activation; the fold's mask of gamma-0 channels is one per channel (stop 55)
+    channels = max(p.shape[0] for p in eager.parameters())
+    assert saved_dtypes and not [n for dtype, n in saved_dtypes if dtype is torch.bool and n > channels], saved_dtypes
     if engine_name == "fx":
         assert torch.equal(*losses)
     else:  # the exported graph's ops decompose into others than eager's (its compiled loss differed before too)
@@ -797,3 +799,88 @@ def test_a_fake_quant_shared_across_a_relu6_observes_once_compiled():
     with torch.no_grad():
         assert torch.equal(engine.convert(fused, spec)(x), engine.convert(reference, spec)(x))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_a_channel_whose_gamma_is_zero_gets_the_float_models_gradient_through_the_fold(path):
+    """A conv-bn fold with gamma exactly 0 in some channels (zero-init residual BatchNorms), fake-quant on and
+    BatchNorm training: torch.ao's fold, and the engine's eager and compiled folds until stop 55, computed 0 / 0 there
+    (NaN). Now those channels convolve with the weight itself: their output is beta, as a BatchNorm of gamma 0 gives,
+    and gamma's gradient is the float conv-bn's (the normalized conv output), so the gamma trains from 0."""
+    from torch.ao.nn.intrinsic.qat import ConvBn2d
+
+    from qlightning.engines.fx.compiled import _folds_from_snapshots
+
+    torch.manual_seed(0)
+    x, _ = _data(16)
+    prepared = _prepare(torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8)), x)
+    with torch.no_grad():
+        prepared(x)  # observed ranges, so the weight fake-quant quantizes
+    conv_bn = next(m for m in prepared.modules() if isinstance(m, ConvBn2d))
+    zero = torch.arange(8) % 2 == 0
+    with torch.no_grad():
+        conv_bn.bn.weight[zero] = 0
+    fold = conv_bn
+    if path == "compiled":
+        restore_fake_quant(prepared)
+        make_fake_quants_traceable(prepared)
+        _folds_from_snapshots(conv_bn)
+        torch._dynamo.reset()
+        fold = torch.compile(conv_bn, backend="aot_eager", fullgraph=True)
+    out = fold(x)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    gamma = conv_bn.bn.weight.detach().clone().requires_grad_(True)
+    expected = torch.nn.functional.batch_norm(
+        torch.nn.functional.conv2d(x, conv_bn.weight.detach(), conv_bn.bias.detach(), padding=1), None, None, gamma,
+        conv_bn.bn.bias.detach(), training=True, eps=conv_bn.bn.eps)
+    expected.backward(dy)
+    assert torch.isfinite(out).all() and torch.isfinite(conv_bn.weight.grad).all()
+    torch.testing.assert_close(out[:, zero], conv_bn.bn.bias.detach()[zero].reshape(1, -1, 1, 1).expand_as(out[:, zero]))
+    torch.testing.assert_close(conv_bn.bn.weight.grad[zero], gamma.grad[zero], rtol=1e-4, atol=1e-6)
+    assert bool((conv_bn.bn.weight.grad[zero] != 0).all())
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_pt2e_folds_give_a_channel_of_gamma_zero_the_float_models_gradient(path):
+    """The PT2E engine's counterpart of the test above, through the prepared graph: torchao's fold (and the compiled
+    fold until stop 55) divided 0 / 0 where gamma is 0. The channel convolves the layer's own weight (divided by 1;
+    compiled, the fold's weight is the weight itself there): its output is beta and gamma's gradient is the float
+    conv-bn's on the fake-quantized input."""
+    torch.manual_seed(0)
+    x, _ = _data(16)
+    engine = get_engine("pt2e")
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8))
+    zero = torch.arange(8) % 2 == 0
+    with torch.no_grad():
+        net[1].weight[zero] = 0
+    prepared = engine.prepare(net, Inputs((x[:8],)), QuantSpec(backend="x86"))
+    engine.set_phase(prepared, Phase(True, True, False))
+    with torch.no_grad():
+        prepared(x)  # observed ranges
+    engine.set_phase(prepared, Phase(True, False, False))  # observers off: the reference sees the same quantizers
+    inputs = []
+    first = next(m for name, m in prepared.named_modules() if name == "activation_post_process_0")
+    first.register_forward_hook(lambda module, args, output: inputs.append(output.detach()))
+    if path == "compiled":
+        torch._dynamo.reset()
+        assert engine.compile_training(prepared, backend="aot_eager")
+    prepared.train()
+    out = prepared(x)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    weight, bias = dict(prepared.named_parameters())["0.weight"], dict(prepared.named_parameters())["0.bias"]
+    gamma_param, beta = dict(prepared.named_parameters())["1.weight"], dict(prepared.named_parameters())["1.bias"]
+    gamma = gamma_param.detach().clone().requires_grad_(True)
+    expected = torch.nn.functional.batch_norm(
+        torch.nn.functional.conv2d(inputs[-1], weight.detach(), bias.detach(), padding=1), None, None, gamma,
+        beta.detach(), training=True, eps=1e-5)
+    expected.backward(dy)
+    assert torch.isfinite(out).all() and torch.isfinite(weight.grad).all()
+    torch.testing.assert_close(out[:, zero], beta.detach()[zero].reshape(1, -1, 1, 1).expand_as(out[:, zero]))
+    torch.testing.assert_close(gamma_param.grad[zero], gamma.grad[zero], rtol=1e-4, atol=1e-6)
+    assert bool((gamma_param.grad[zero] != 0).all())
+    engine.decompile(prepared)
+    int8 = engine.convert(prepared, QuantSpec(backend="x86"))
+    with torch.no_grad():
+        assert torch.isfinite(int8(x)).all()

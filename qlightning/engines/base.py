@@ -13,7 +13,7 @@ import functools
 import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Optional
+from typing import Any, ClassVar, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -312,33 +312,38 @@ def per_channel_counts(module: nn.Module) -> dict[int, int]:
     return counts
 
 
-def check_batch_norm_gammas(module: nn.Module) -> None:
-    """Refuse QAT on a model with BatchNorm weights (gamma) that are exactly zero, naming them.
-
-    QAT conv-bn fusion (torch.ao's ``ConvBn*d``, torchao's PT2E conv-bn pattern) scales the weight by
-    ``gamma / std`` and divides the conv output by the same factor: a zero gamma (timm ResNets'
-    ``zero_init_last=True``, torchvision's ``zero_init_residual=True``) makes the first training step
-    NaN, and the first fake-quant step then fails inside torch with "`zero_point` must be between
-    `quant_min` and `quant_max`" (measured: timm resnet10t, both engines).
+def zero_gammas(gammas: Iterable[tuple[str, Any]]) -> list[str]:
+    """``"name (k of n channels)"`` for each BatchNorm weight (gamma) of ``gammas`` that is exactly 0 in some channel.
 
     Args:
-        module: the float module about to be prepared.
+        gammas: ``(BatchNorm name, its weight)`` pairs (a weight that is not a tensor, ``affine=False``, is skipped).
+    """
+    found = []
+    for name, gamma in gammas:
+        if isinstance(gamma, torch.Tensor):
+            count = int((gamma.detach() == 0).sum())
+            if count:
+                found.append(f"{name} ({count} of {gamma.numel()} channels)")
+    return found
+
+
+def refuse_zero_gammas(found: Sequence[str], why: str, route: str) -> None:
+    """Raise :class:`~qlightning.errors.ConfigError` naming the BatchNorms of ``found`` (:func:`zero_gammas`), if any.
+
+    Args:
+        found: the BatchNorms with a gamma of exactly 0.
+        why: which fold divides by gamma.
+        route: the engine's own way round, said before the model-side ones.
     """
     from qlightning.errors import ConfigError
 
-    zero = []
-    for name, m in module.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and isinstance(m.weight, torch.Tensor):
-            count = int((m.weight.detach() == 0).sum())
-            if count:
-                zero.append(f"{name} ({count} of {m.weight.numel()} channels)")
-    if zero:
-        shown = ", ".join(zero[:6]) + (f" and {len(zero) - 6} more" if len(zero) > 6 else "")
+    if found:
+        shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
         raise ConfigError(
-            f"BatchNorm weight (gamma) is exactly 0 in {shown}: QAT conv-bn fusion divides the conv output "
-            "by gamma / std, so training would be NaN from the first step. Build the model without zero-init "
-            "(timm: create_model(..., zero_init_last=False); torchvision ResNet: zero_init_residual=False), "
-            "or load weights trained in float first."
+            f"BatchNorm weight (gamma) is exactly 0 in {shown}: {why} divides the layer's output by gamma / std, "
+            f"so training would be NaN from the first step. {route}, build the model without zero-init (timm: "
+            "create_model(..., zero_init_last=False); torchvision ResNet: zero_init_residual=False), or load weights "
+            "trained in float first."
         )
 
 

@@ -470,6 +470,29 @@ def folded_variance(running_var: torch.Tensor, snapshot: torch.Tensor) -> torch.
     return snapshot if torch.compiler.is_compiling() else running_var
 
 
+def weight_out_of_fold(folded: torch.Tensor, scale_factor: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``folded / scale_factor``, the conv-bn (or linear-bn) fold's weight ``fq(w * s) / s``, where an output channel
+    whose ``s`` is 0 takes the ``weight`` itself.
+
+    ``s = gamma / running_std`` is 0 where the BatchNorm's gamma is exactly 0 (timm ResNets' ``zero_init_last``,
+    torchvision's ``zero_init_residual``): the division was ``0 / 0``, NaN from the first step, and any other finite
+    divisor would leave that channel's conv output 0, so gamma's gradient (the normalized conv output) 0 for good, a
+    residual branch that never starts. A training BatchNorm's output in a channel of gamma 0 is its beta whatever
+    the conv computes, so the forward is unchanged; with the weight itself gamma and the weight get the float
+    model's gradients, and once gamma has moved the channel folds as the others. Written with a float mask, not
+    ``torch.where``: compiled, a bool mask saved for the backward is stored an element at a time by inductor's C++
+    (notes/perf.md section 26), and the divisor is 1 where ``s`` is 0, so no NaN reaches a gradient. Where ``s`` is
+    not 0 the values are ``folded / s`` bit for bit (``+ 0``, ``* 1``).
+
+    Args:
+        folded: ``fq(w * s)``, the fake-quantized folded weight.
+        scale_factor: ``s``, shaped to broadcast over the weight's output channels.
+        weight: ``w``, the layer's own weight.
+    """
+    kept = (scale_factor != 0).to(folded.dtype)
+    return folded / (scale_factor + (1 - kept)) * kept + weight * (1 - kept)
+
+
 def frozen_batch_norm_bias(beta: torch.Tensor, running_mean: torch.Tensor, scale_factor: torch.Tensor,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """The bias of a conv-bn (or linear-bn) QAT fold whose BatchNorm normalizes with its running statistics

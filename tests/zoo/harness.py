@@ -49,7 +49,7 @@ def _arch(name: str) -> Callable[[], nn.Module]:
     return build
 
 
-def _timm_resnet10t() -> nn.Module:  # not a recipe architecture: both engines refuse it as timm builds it (KNOWN)
+def _timm_resnet10t() -> nn.Module:  # not a recipe architecture: timm's zero-init last BatchNorms (zero_init_last)
     import timm
 
     return timm.create_model("resnet10t", pretrained=False, num_classes=10)
@@ -133,15 +133,7 @@ _GATE_NAMES_THE_ROUTE = [
     # the config around the layer, or (when input noise flips as many predictions) that they are near-ties
     r"(qconfig_mapping \{'module_name': \[\{'name': '[^']+', 'qconfig': None\}\]\}|sit on near-ties of the fake-quant model)",
 ]
-_ZERO_GAMMA = {
-    "status": "refused",
-    "says": [r"BatchNorm weight \(gamma\) is exactly 0 in \S+", r"zero_init_last=False"],
-    "note": "timm zero-inits each block's last BatchNorm (zero_init_last=True); QAT conv-bn fusion divides by "
-            "gamma, so prepare refuses, naming the BatchNorms and `zero_init_last=False`",
-}
 KNOWN: dict[tuple[str, str], dict[str, Any]] = {
-    ("timm_resnet10t", "fx"): _ZERO_GAMMA,
-    ("timm_resnet10t", "pt2e"): _ZERO_GAMMA,
     ("hf_llama_decoder", "fx"): {
         "status": "refused",
         "says": [r"FX stops in net\.decoder \(LlamaModel\): \*args/\*\*kwargs forward",

@@ -39,6 +39,7 @@ from qlightning.engines.traceable import (
     traceable_fake_quants,
     traceable_forward,
     uncompile,
+    weight_out_of_fold,
 )
 from qlightning.engines.traceable import make_traceable as make_fake_quants_traceable
 
@@ -252,7 +253,9 @@ def _fold(self: nn.Module, layer: Any, input: torch.Tensor) -> torch.Tensor:
     scale_factor, scaled_weight = _scaled_weight(self)
     if not self.bn.training:
         return layer(input, scaled_weight, frozen_bn_bias(self, scale_factor, self.bias))
-    return self.bn(layer(input, scaled_weight / _per_output_channel(scale_factor, scaled_weight), self.bias))
+    # a channel of gamma 0 (zero-init residual BatchNorms) convolves with the weight itself, not 0 / 0
+    weight = weight_out_of_fold(scaled_weight, _per_output_channel(scale_factor, scaled_weight), self.weight)
+    return self.bn(layer(input, weight, self.bias))
 
 
 def _conv_bn_fold(self: nn.Module, input: torch.Tensor) -> torch.Tensor:

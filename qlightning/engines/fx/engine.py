@@ -18,8 +18,8 @@ from torch import nn
 from qlightning.core.inputs import Inputs, capture_inputs, positional_args
 from qlightning.core.schedule import Phase
 from qlightning.engines.base import (
-    QuantEngine, QuantSpec, _fused_op_qparams, check_batch_norm_gammas, is_fused_fake_quant, keeps_last_observation,
-    quantized_engine, register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
+    QuantEngine, QuantSpec, _fused_op_qparams, is_fused_fake_quant, keeps_last_observation, quantized_engine,
+    refuse_zero_gammas, register_plain_flag_setters, set_flag, settle_fake_quant_state, trained_qparams,
 )
 from qlightning.engines.fx.attention import AttentionCore, split_multihead_attention, unsplit
 from qlightning.engines.fx.ao import (
@@ -28,11 +28,11 @@ from qlightning.engines.fx.ao import (
 )
 from qlightning.engines.fx.prepare import faster_prepare
 from qlightning.engines.fx.weights import average_ranges_outside_conv_bn, default_qat_qconfig_mapping
-from qlightning.engines.fx.fast_fq import restore_fake_quant, swap_fake_quant
+from qlightning.engines.fx.fast_fq import folds_dividing_by_zero_gammas, restore_fake_quant, swap_fake_quant
 from qlightning.engines.fx.qconfig_builder import QConfigBuilder, check_against_model
 from qlightning.engines.fx.qconfigs import clamp_quantized_weights
 from qlightning.engines.fx.reference import CLAMP_META, reference_module
-from qlightning.errors import TraceError
+from qlightning.errors import ConfigError, TraceError
 
 
 
@@ -772,8 +772,6 @@ class FxEngine(QuantEngine):
             The prepared GraphModule.
         """
         quantized_engine(spec.backend)
-        if spec.is_qat:
-            check_batch_norm_gammas(module)
         mapping = spec.qconfig_mapping if spec.qconfig_mapping is not None else self.default_qconfig_mapping(spec)
         prepare = self.ao.prepare_qat_fx if spec.is_qat else self.ao.prepare_fx
         module.train(spec.is_qat)
@@ -809,6 +807,16 @@ class FxEngine(QuantEngine):
             swap_fake_quant(prepared, fake_quant=True, conv_bn=spec.options.get("fast_conv_bn", True), relu=True,
                             linear=spec.options.get("fast_linear", True))
         if spec.is_qat:
+            try:  # gamma exactly 0 (zero-init residual BatchNorms) trains only where the fold takes the weight itself
+                refuse_zero_gammas(
+                    folds_dividing_by_zero_gammas(prepared), "torch.ao's QAT fold in these modules",
+                    "Leave engine_options fast_qat and fast_conv_bn on (the engine's conv-bn fold convolves a channel of "
+                    "gamma 0 with the weight itself, so gamma trains from 0 as in float; a Linear-BatchNorm pair has no "
+                    "such fold)",
+                )
+            except ConfigError:
+                unsplit(module, split)
+                raise
             average_ranges_outside_conv_bn(prepared)  # current weight ranges where BatchNorm moves the weights
             settle_fake_quant_state(prepared)  # no evaluation before training may move a buffer (base.py)
         return prepared

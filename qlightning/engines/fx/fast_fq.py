@@ -47,10 +47,10 @@ import torch
 from torch import nn
 
 from qlightning.engines.base import (
-    centres_on_zero, dense_order, fused_fake_quant, fused_forward, observe_min_max, straddle_zero_,
+    centres_on_zero, dense_order, fused_fake_quant, fused_forward, observe_min_max, straddle_zero_, zero_gammas,
 )
 from qlightning.engines.fx.ao import quiet_torch_ao
-from qlightning.engines.traceable import frozen_batch_norm_bias
+from qlightning.engines.traceable import frozen_batch_norm_bias, weight_out_of_fold
 from qlightning.engines.fx.weights import ZeroCenteredFusedFakeQuantize
 
 with quiet_torch_ao():
@@ -628,6 +628,8 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
 
     With the weight's fake-quant off (the float warm-up) ``fq(w * s) / s`` is ``w``: the conv takes the
     weight itself (the weight observer, when on, still sees the folded ``w * s``), the float model's cost.
+    A channel whose gamma is exactly 0 takes the weight itself in every phase
+    (:func:`~qlightning.engines.traceable.weight_out_of_fold`): torch.ao's fold is NaN there.
     With the BatchNorm frozen (or in eval) it folds whole: ``conv(x, fq(w * s), (b - mean) * s + beta)``
     (:func:`frozen_bn_bias`), no BatchNorm pass at all.
 
@@ -647,10 +649,32 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
     folded = fq(weight * s)
     if not modules["bn"].training:  # BatchNorm frozen (or eval): the whole fold is the conv's weight and bias
         return self._conv_forward(input, folded, frozen_bn_bias(self, s.reshape(-1), bias))
+    if input.device.type != "cpu" or not bool(s.all()):  # a gamma of exactly 0 (zero-init residual BatchNorms)
+        weight = weight_out_of_fold(folded, s, weight)  # that channel convolves with the weight itself, not 0 / 0
     # the custom backward keeps one weight-sized tensor less, for ~40 us of Python a step: worth it only for large
     # weights (the same quotient; gamma's gradient differs by float rounding)
-    weight = folded / s if folded.numel() < MIN_ELEMENTS else _DivideKeepingResult.apply(folded, s)
+    elif folded.numel() < MIN_ELEMENTS:
+        weight = folded / s
+    else:
+        weight = _DivideKeepingResult.apply(folded, s)
     return modules["bn"](self._conv_forward(input, weight, bias))
+
+
+def folds_dividing_by_zero_gammas(module: nn.Module) -> list[str]:
+    """The BatchNorms of ``module``'s torch.ao QAT conv-bn and linear-bn modules whose gamma is exactly 0 in some channel
+    and whose fold divides by it (:func:`~qlightning.engines.base.zero_gammas`): a conv-bn on this module's fold
+    (:func:`fast_conv_bn_forward_approximate`) is left out, as it convolves such a channel with the weight itself.
+
+    Args:
+        module: a prepared module.
+    """
+    dividing = []
+    for name, m in module.named_modules():
+        if isinstance(m, (_nniqat.ConvBn1d, _nniqat.ConvBn2d, _nniqat.ConvBn3d, _nniqat.LinearBn1d)):
+            fold = getattr(m.__dict__.get("_forward_approximate"), "__func__", None)
+            if fold is not fast_conv_bn_forward_approximate:
+                dividing.append((f"{name}.bn" if name else "bn", m.bn.weight))
+    return zero_gammas(dividing)
 
 
 def frozen_bn_bias(conv_bn: nn.Module, scale_factor: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

@@ -44,14 +44,14 @@ import torch
 from torch import nn
 
 from qlightning.engines.base import (
-    Inputs, QuantEngine, QuantSpec, ZeroCenteredWeightRange, check_batch_norm_gammas, current_range_weight_ctr,
-    keeps_last_observation, lean_float_phase, register_plain_flag_setters, set_flag, settle_fake_quant_state,
-    trained_qparams, x86_u8s8_pair_sums,
+    Inputs, QuantEngine, QuantSpec, ZeroCenteredWeightRange, current_range_weight_ctr,
+    keeps_last_observation, lean_float_phase, refuse_zero_gammas, register_plain_flag_setters, set_flag,
+    settle_fake_quant_state, trained_qparams, x86_u8s8_pair_sums, zero_gammas,
 )
 from qlightning.engines.names import plain, resolve_reference
 from qlightning.engines.traceable import (
     compile_training_forward, folded_variance, frozen_batch_norm_bias, hardtanh, make_traceable, relu,
-    restore_fake_quants, uncompile,
+    restore_fake_quants, uncompile, weight_out_of_fold,
 )
 from qlightning.core.quiet import quiet
 from qlightning.errors import ConfigError, EngineUnavailableError, TraceError
@@ -425,14 +425,20 @@ def _retarget(node: torch.fx.Node, target: Callable, kwargs: dict[str, Any] | No
 
 
 def _restore_targets(module: nn.Module) -> None:
-    """Undo :func:`_float_mask_relus` and :func:`_fold_frozen_batch_norms`: the aten ops again (torchao's convert
-    matches them)."""
+    """Undo :func:`_float_mask_relus`, :func:`_fold_frozen_batch_norms` and :func:`_train_zero_gammas`: the aten ops
+    and torchao's fold again (torchao's convert matches them)."""
 
     def to_aten(gm: torch.fx.GraphModule) -> bool:
-        nodes = [n for n in gm.graph.nodes if _ORIGINAL_TARGET in n.meta]
+        nodes = [n for n in gm.graph.nodes if _ORIGINAL_TARGET in n.meta or _ORIGINAL_ARGS in n.meta]
         for node in nodes:
-            node.target, node.kwargs = node.meta.pop(_ORIGINAL_TARGET)
-        return bool(nodes)
+            if _ORIGINAL_TARGET in node.meta:
+                node.target, node.kwargs = node.meta.pop(_ORIGINAL_TARGET)
+            if _ORIGINAL_ARGS in node.meta:
+                node.args = node.meta.pop(_ORIGINAL_ARGS)
+        inserted = [n for n in gm.graph.nodes if n.meta.get(_INSERTED)]
+        for node in reversed(inserted):
+            gm.graph.erase_node(node)
+        return bool(nodes or inserted)
 
     _rewrite_graphs(module, to_aten)
 
@@ -462,12 +468,14 @@ def _folded_batch_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                        running_var: torch.Tensor, training: bool, momentum: float, eps: float, cudnn_enabled: bool, *,
                        layer_output: torch.Tensor, scale_factor: torch.Tensor,
                        layer_bias: Optional[torch.Tensor] = None, layer: Optional[str] = None,
-                       layer_args: Optional[tuple[Any, ...]] = None) -> torch.Tensor:
+                       layer_args: Optional[tuple[Any, ...]] = None, layer_weight: Optional[torch.Tensor] = None,
+                       ) -> torch.Tensor:
     """``aten.batch_norm`` of a QAT conv-bn fold's ``input = layer_output / scale_factor [+ layer_bias]``, with
     ``layer_output = layer(*layer_args)``, ``layer_args = (x, fq(w * s), zero bias, ...)``.
 
     BatchNorm training, the division is on the weight, ``layer(x, fq(w * s) / s, ...)``, as the FX engine's fold
-    (where ``layer`` names an ``aten`` convolution); with ``training=False`` (BatchNorm frozen) the fold is whole:
+    (where ``layer`` names an ``aten`` convolution; a channel of gamma 0 takes ``layer_weight``, ``w`` itself:
+    :func:`~qlightning.engines.traceable.weight_out_of_fold`); with ``training=False`` (BatchNorm frozen) the fold is whole:
     ``layer_output + (layer_bias - mean) * s + beta``, ``s = gamma / running_std`` (``scale_factor``, shaped per
     output channel; :func:`~qlightning.engines.traceable.frozen_batch_norm_bias`). The same function up to float
     rounding, without torchao's output-sized division (and, frozen, its BatchNorm); the unused division and
@@ -479,7 +487,9 @@ def _folded_batch_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if layer is not None and layer_args is not None:
         x, scaled_weight, *rest = layer_args
         per_output_channel = scale_factor.reshape([-1] + [1] * (scaled_weight.dim() - 1))
-        input = getattr(_aten, layer)(x, scaled_weight / per_output_channel, *rest)
+        divided = (scaled_weight / per_output_channel if layer_weight is None  # a channel of gamma 0: the weight itself
+                   else weight_out_of_fold(scaled_weight, per_output_channel, layer_weight))
+        input = getattr(_aten, layer)(x, divided, *rest)
         if layer_bias is not None:
             input = input + layer_bias
     return _aten.batch_norm.default(input, weight, bias, running_mean, running_var, training, momentum, eps,
@@ -523,11 +533,118 @@ def _fold_frozen_batch_norms(module: nn.Module) -> None:
             parts: dict[str, Any] = {"layer_output": layer_output, "scale_factor": scale_factor, "layer_bias": layer_bias}
             if layer_output.target in _WEIGHT_DIVIDED_LAYERS and not layer_output.kwargs and len(layer_output.users) == 1:
                 parts.update(layer=_WEIGHT_DIVIDED_LAYERS[layer_output.target], layer_args=tuple(layer_output.args))
+                whole = _fold_parts(node)
+                if whole is not None:
+                    parts["layer_weight"] = whole["weight"]
             _retarget(node, _folded_batch_norm, parts)
             changed = True
         return changed
 
     _rewrite_graphs(module, fold)
+
+
+def _own_weight_where_zero(folded: torch.Tensor, scale_factor: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The fold's fake-quantized ``w * s`` (``folded``), or the layer's own ``weight`` in an output channel whose ``s``
+    (``scale_factor``, shaped over the weight) is 0."""
+    return torch.where(scale_factor == 0, weight, folded)
+
+
+def _one_where_zero(scale_factor: torch.Tensor) -> torch.Tensor:
+    """``scale_factor`` with its zeros replaced by 1: the fold's divisor of a channel that convolved its own weight."""
+    return torch.where(scale_factor == 0, torch.ones_like(scale_factor), scale_factor)
+
+
+#: a node's positional args before :func:`_train_zero_gammas` rewrote them, put back by :func:`_restore_targets`
+_ORIGINAL_ARGS = "qlightning_original_args"
+#: a node :func:`_train_zero_gammas` inserted, erased by :func:`_restore_targets`
+_INSERTED = "qlightning_inserted"
+
+
+def _fold_parts(bn: torch.fx.Node) -> Optional[dict[str, torch.fx.Node]]:
+    """The nodes of the QAT conv-bn fold (torchao's ``_qat_conv_bn_pattern``) feeding the ``aten.batch_norm`` node
+    ``bn``: ``batch_norm(div(conv(x, fq(mul(w, s_w)), 0), s) [+ b])``, or ``None`` where ``bn`` is not fed by one."""
+    if bn.op != "call_function" or bn.target is not _aten.batch_norm.default or bn.kwargs or bn.args[1] is None:
+        return None
+    source = bn.args[0]
+    if (isinstance(source, torch.fx.Node) and source.target is _aten.add.Tensor and len(source.users) == 1
+            and isinstance(source.args[0], torch.fx.Node)):  # the conv's bias
+        source = source.args[0]
+    if not isinstance(source, torch.fx.Node) or source.target is not _aten.div.Tensor or len(source.args) != 2:
+        return None
+    layer, divisor = source.args
+    if not isinstance(layer, torch.fx.Node) or layer.target not in _FOLDED_LAYERS or not isinstance(divisor, torch.fx.Node):
+        return None
+    folded = layer.args[1] if len(layer.args) > 1 else None
+    product = folded.args[0] if isinstance(folded, torch.fx.Node) and folded.op == "call_module" and folded.args else None
+    if (not isinstance(product, torch.fx.Node) or product.target is not _aten.mul.Tensor
+            or not all(isinstance(a, torch.fx.Node) for a in product.args)):
+        return None
+    return {"bn": bn, "div": source, "layer": layer, "folded": folded, "weight": product.args[0],
+            "weight_scale": product.args[1], "divisor": divisor}
+
+
+def _train_zero_gammas(module: nn.Module) -> list[str]:
+    """Let each QAT conv-bn fold whose BatchNorm has a gamma of exactly 0 (timm's ``zero_init_last``, torchvision's
+    ``zero_init_residual``) train: that channel convolves the layer's own weight and divides by 1.
+
+    torchao's fold is ``bn(conv(x, fq(w * s)) / s)``, ``0 / 0`` where gamma is 0: NaN from the first step. A
+    training BatchNorm's output in a channel of gamma 0 is its beta whatever the conv computes, so the forward is
+    unchanged, and gamma's gradient is the float model's (the normalized conv output), so it trains from 0; once
+    it has moved, the channel folds as torchao's. Only folds with such a gamma now are rewritten (two small ops on
+    the weight and the divisor). Undone by :func:`_restore_targets` (torchao's convert matches its own pattern);
+    the compiled path's fold does the same in :func:`_folded_batch_norm`.
+
+    Args:
+        module: the prepared module.
+
+    Returns:
+        The BatchNorms (:func:`~qlightning.engines.base.zero_gammas`) with such a gamma that a division feeds but
+        that are not in the fold's pattern as this function knows it: left as they are, NaN.
+    """
+    missed: list[tuple[str, torch.Tensor]] = []
+
+    def rewrite(gm: torch.fx.GraphModule) -> bool:
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target is not _aten.batch_norm.default or len(node.args) < 2:
+                continue
+            gamma = _get_attr_value(gm, node.args[1])
+            if not isinstance(gamma, torch.Tensor) or bool(gamma.all()):
+                continue
+            parts = _fold_parts(node)
+            if parts is None:
+                source = node.args[0]
+                if isinstance(source, torch.fx.Node) and source.target is _aten.add.Tensor:
+                    source = source.args[0]
+                if isinstance(source, torch.fx.Node) and source.target is _aten.div.Tensor:
+                    name = str(node.args[1].target).removesuffix(".weight")
+                    missed.append((name, gamma))
+                continue
+            layer, div = parts["layer"], parts["div"]
+            with gm.graph.inserting_before(layer):
+                weight = gm.graph.call_function(_own_weight_where_zero, (parts["folded"], parts["weight_scale"], parts["weight"]))
+            with gm.graph.inserting_before(div):
+                divisor = gm.graph.call_function(_one_where_zero, (parts["divisor"],))
+            for inserted in (weight, divisor):
+                inserted.meta[_INSERTED] = True
+            layer.meta[_ORIGINAL_ARGS], div.meta[_ORIGINAL_ARGS] = layer.args, div.args
+            layer.args = (layer.args[0], weight, *layer.args[2:])
+            div.args = (div.args[0], divisor)
+            changed = True
+        return changed
+
+    _rewrite_graphs(module, rewrite)
+    return zero_gammas(missed)
+
+
+def _get_attr_value(gm: torch.fx.GraphModule, node: Any) -> Any:
+    """The tensor a ``get_attr`` node reads, else ``None``."""
+    if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+        return None
+    value: Any = gm
+    for part in str(node.target).split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 class _ExportedTrainEval:
@@ -1280,8 +1397,6 @@ class Pt2eEngine(QuantEngine):
             The prepared GraphModule, whose ``train()`` / ``eval()`` switch its exported modes.
         """
         self.check_spec(spec)
-        if spec.is_qat:
-            check_batch_norm_gammas(module)
         quantizer = self.quantizer(spec)
         module.train(spec.is_qat)
         args, kwargs, dynamic = self.export_inputs(
@@ -1313,6 +1428,9 @@ class Pt2eEngine(QuantEngine):
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         if spec.is_qat:
+            refuse_zero_gammas(  # zero-init residual BatchNorms: no 0 / 0 in the fold (one it does not know refuses)
+                _train_zero_gammas(prepared), "torchao's QAT conv-bn fold in these modules",
+                "Train it with engine='fx' (its conv-bn fold convolves a channel of gamma 0 with the weight itself)")
             settle_fake_quant_state(prepared)  # no evaluation before training may move a buffer (base.py)
             if spec.options.get("lean_float_phase", True):
                 lean_float_phase(prepared)
@@ -1401,6 +1519,7 @@ class Pt2eEngine(QuantEngine):
             compile_kwargs: keyword arguments of ``torch.compile``.
         """
         self.decompile(module)
+        _restore_targets(module)  # torchao's fold again: the compiled fold takes a gamma of 0 itself
         fake_quants = make_traceable(module)
         snapshots = _folds_from_snapshots(module)
         _float_mask_relus(module)
@@ -1418,6 +1537,7 @@ class Pt2eEngine(QuantEngine):
         _restore_targets(module)
         _unfold_snapshots(module)
         restore_fake_quants(module)
+        _train_zero_gammas(module)
 
     # ------------------------------------------------------------------ convert
 
@@ -1471,6 +1591,7 @@ class Pt2eEngine(QuantEngine):
         if not isinstance(module, torch.fx.GraphModule):
             raise TypeError(f"Pt2eEngine.convert expects the module returned by prepare, got {type(module).__name__}")
         self.decompile(module)
+        _restore_targets(module)  # torchao's fold, which its convert matches
         self.set_observers(module, False)
         self._observe_final_weights(module)
         module.eval()  # dropout off, BatchNorm on running statistics: the patterns the fold matches
