@@ -839,6 +839,12 @@ def test_a_channel_whose_gamma_is_zero_gets_the_float_models_gradient_through_th
     torch.testing.assert_close(out[:, zero], conv_bn.bn.bias.detach()[zero].reshape(1, -1, 1, 1).expand_as(out[:, zero]))
     torch.testing.assert_close(conv_bn.bn.weight.grad[zero], gamma.grad[zero], rtol=1e-4, atol=1e-6)
     assert bool((conv_bn.bn.weight.grad[zero] != 0).all())
+    # compiled, then decompiled with the gammas still 0 (the fit-end copy, a channel that never trained): no 0 / 0
+    engine = get_engine("fx")
+    torch._dynamo.reset()
+    assert engine.compile_training(prepared, backend="aot_eager")
+    engine.decompile(prepared)
+    assert torch.isfinite(prepared.train()(x)).all()
 
 
 @pytest.mark.parametrize("path", ["eager", "compiled"])
@@ -859,6 +865,12 @@ def test_pt2e_folds_give_a_channel_of_gamma_zero_the_float_models_gradient(path)
     with torch.no_grad():
         prepared(x)  # observed ranges
     engine.set_phase(prepared, Phase(True, False, False))  # observers off: the reference sees the same quantizers
+    # a copy made while the gammas are 0 (the fit-end fake-quant copy, Lightning's SWA) decompiles and converts
+    copied = copy.deepcopy(prepared)
+    engine.decompile(copied)
+    with torch.no_grad():
+        assert torch.isfinite(copied(x)).all()
+        assert torch.isfinite(engine.convert(copied, QuantSpec(backend="x86"))(x)).all()
     inputs = []
     first = next(m for name, m in prepared.named_modules() if name == "activation_post_process_0")
     first.register_forward_hook(lambda module, args, output: inputs.append(output.detach()))

@@ -490,7 +490,8 @@ def weight_out_of_fold(folded: torch.Tensor, scale_factor: torch.Tensor, weight:
         weight: ``w``, the layer's own weight.
     """
     kept = (scale_factor != 0).to(folded.dtype)
-    return folded / (scale_factor + (1 - kept)) * kept + weight * (1 - kept)
+    dropped = 1 - kept
+    return folded / (scale_factor + dropped) * kept + weight * dropped
 
 
 def frozen_batch_norm_bias(beta: torch.Tensor, running_mean: torch.Tensor, scale_factor: torch.Tensor,

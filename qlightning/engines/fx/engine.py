@@ -772,6 +772,8 @@ class FxEngine(QuantEngine):
             The prepared GraphModule.
         """
         quantized_engine(spec.backend)
+        gammas = {id(m.weight): name for name, m in module.named_modules()
+                  if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None}
         mapping = spec.qconfig_mapping if spec.qconfig_mapping is not None else self.default_qconfig_mapping(spec)
         prepare = self.ao.prepare_qat_fx if spec.is_qat else self.ao.prepare_fx
         module.train(spec.is_qat)
@@ -809,7 +811,7 @@ class FxEngine(QuantEngine):
         if spec.is_qat:
             try:  # gamma exactly 0 (zero-init residual BatchNorms) trains only where the fold takes the weight itself
                 refuse_zero_gammas(
-                    folds_dividing_by_zero_gammas(prepared), "torch.ao's QAT fold in these modules",
+                    folds_dividing_by_zero_gammas(prepared, gammas), "torch.ao's QAT fold in these modules",
                     "Leave engine_options fast_qat and fast_conv_bn on (the engine's conv-bn fold convolves a channel of "
                     "gamma 0 with the weight itself, so gamma trains from 0 as in float; a Linear-BatchNorm pair has no "
                     "such fold)",
@@ -843,6 +845,8 @@ class FxEngine(QuantEngine):
         from qlightning.engines.fx.compiled import decompile
 
         decompile(module)
+        if folds_dividing_by_zero_gammas(module):  # torch.ao's fold again, 0 / 0 where a gamma is still 0 (untrained)
+            swap_fake_quant(module, fake_quant=False, conv_bn=True, relu=False, linear=False)
 
     @staticmethod
     def _expand_regex(module: nn.Module, mapping: Any) -> Any:

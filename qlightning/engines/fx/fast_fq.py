@@ -660,20 +660,23 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
     return modules["bn"](self._conv_forward(input, weight, bias))
 
 
-def folds_dividing_by_zero_gammas(module: nn.Module) -> list[str]:
+def folds_dividing_by_zero_gammas(module: nn.Module, names: Optional[dict[int, str]] = None) -> list[str]:
     """The BatchNorms of ``module``'s torch.ao QAT conv-bn and linear-bn modules whose gamma is exactly 0 in some channel
     and whose fold divides by it (:func:`~qlightning.engines.base.zero_gammas`): a conv-bn on this module's fold
     (:func:`fast_conv_bn_forward_approximate`) is left out, as it convolves such a channel with the weight itself.
 
     Args:
         module: a prepared module.
+        names: ``{id(gamma): name}`` of the float model's BatchNorms, to name them as the user's model does (torch.ao's
+            QAT modules keep the float model's parameters); a BatchNorm not in it is named inside the fused module.
     """
     dividing = []
     for name, m in module.named_modules():
         if isinstance(m, (_nniqat.ConvBn1d, _nniqat.ConvBn2d, _nniqat.ConvBn3d, _nniqat.LinearBn1d)):
             fold = getattr(m.__dict__.get("_forward_approximate"), "__func__", None)
             if fold is not fast_conv_bn_forward_approximate:
-                dividing.append((f"{name}.bn" if name else "bn", m.bn.weight))
+                own = f"{name}.bn" if name else "bn"
+                dividing.append(((names or {}).get(id(m.bn.weight), own), m.bn.weight))
     return zero_gammas(dividing)
 
 

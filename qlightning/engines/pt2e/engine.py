@@ -429,14 +429,12 @@ def _restore_targets(module: nn.Module) -> None:
     and torchao's fold again (torchao's convert matches them)."""
 
     def to_aten(gm: torch.fx.GraphModule) -> bool:
-        nodes = [n for n in gm.graph.nodes if _ORIGINAL_TARGET in n.meta or _ORIGINAL_ARGS in n.meta]
+        nodes = [n for n in gm.graph.nodes if _ORIGINAL_TARGET in n.meta]
         for node in nodes:
-            if _ORIGINAL_TARGET in node.meta:
-                node.target, node.kwargs = node.meta.pop(_ORIGINAL_TARGET)
-            if _ORIGINAL_ARGS in node.meta:
-                node.args = node.meta.pop(_ORIGINAL_ARGS)
+            node.target, node.kwargs = node.meta.pop(_ORIGINAL_TARGET)
         inserted = [n for n in gm.graph.nodes if n.meta.get(_INSERTED)]
-        for node in reversed(inserted):
+        for node in inserted:
+            node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
         return bool(nodes or inserted)
 
@@ -554,9 +552,8 @@ def _one_where_zero(scale_factor: torch.Tensor) -> torch.Tensor:
     return torch.where(scale_factor == 0, torch.ones_like(scale_factor), scale_factor)
 
 
-#: a node's positional args before :func:`_train_zero_gammas` rewrote them, put back by :func:`_restore_targets`
-_ORIGINAL_ARGS = "qlightning_original_args"
-#: a node :func:`_train_zero_gammas` inserted, erased by :func:`_restore_targets`
+#: a node :func:`_train_zero_gammas` inserted in front of a fold's own (its first argument), which
+#: :func:`_restore_targets` puts back (a mark, not the nodes: ``deepcopy`` copies a node's meta shallowly)
 _INSERTED = "qlightning_inserted"
 
 
@@ -627,7 +624,6 @@ def _train_zero_gammas(module: nn.Module) -> list[str]:
                 divisor = gm.graph.call_function(_one_where_zero, (parts["divisor"],))
             for inserted in (weight, divisor):
                 inserted.meta[_INSERTED] = True
-            layer.meta[_ORIGINAL_ARGS], div.meta[_ORIGINAL_ARGS] = layer.args, div.args
             layer.args = (layer.args[0], weight, *layer.args[2:])
             div.args = (div.args[0], divisor)
             changed = True
