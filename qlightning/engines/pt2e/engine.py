@@ -514,26 +514,16 @@ def _fold_frozen_batch_norms(module: nn.Module) -> None:
     def fold(gm: torch.fx.GraphModule) -> bool:
         changed = False
         for node in list(gm.graph.nodes):
-            if (node.op != "call_function" or node.target is not _aten.batch_norm.default or node.kwargs
-                    or node.args[1] is None or node.args[2] is None):  # an affine BatchNorm, as torchao's fold
+            fold_parts = _fold_parts(node)
+            if fold_parts is None:
                 continue
-            source, layer_bias = node.args[0], None
-            if (isinstance(source, torch.fx.Node) and source.target is _aten.add.Tensor and len(source.users) == 1
-                    and isinstance(source.args[0], torch.fx.Node) and isinstance(source.args[1], torch.fx.Node)
-                    and source.args[1].target in (_aten.reshape.default, _aten.view.default)):  # the conv's bias
-                source, layer_bias = source.args
-            if (not isinstance(source, torch.fx.Node) or source.target is not _aten.div.Tensor
-                    or not all(isinstance(a, torch.fx.Node) for a in source.args)):
-                continue
-            layer_output, scale_factor = source.args
-            if layer_output.target not in _FOLDED_LAYERS:
-                continue
-            parts: dict[str, Any] = {"layer_output": layer_output, "scale_factor": scale_factor, "layer_bias": layer_bias}
+            layer_output = fold_parts["layer"]
+            parts: dict[str, Any] = {"layer_output": layer_output, "scale_factor": fold_parts["divisor"],
+                                     "layer_bias": fold_parts["layer_bias"]}
             if layer_output.target in _WEIGHT_DIVIDED_LAYERS and not layer_output.kwargs and len(layer_output.users) == 1:
                 parts.update(layer=_WEIGHT_DIVIDED_LAYERS[layer_output.target], layer_args=tuple(layer_output.args))
-                whole = _fold_parts(node)
-                if whole is not None:
-                    parts["layer_weight"] = whole["weight"]
+                if fold_parts["weight"] is not None:
+                    parts["layer_weight"] = fold_parts["weight"]
             _retarget(node, _folded_batch_norm, parts)
             changed = True
         return changed
@@ -557,27 +547,35 @@ def _one_where_zero(scale_factor: torch.Tensor) -> torch.Tensor:
 _INSERTED = "qlightning_inserted"
 
 
-def _fold_parts(bn: torch.fx.Node) -> Optional[dict[str, torch.fx.Node]]:
+def _fold_parts(bn: torch.fx.Node) -> Optional[dict[str, Optional[torch.fx.Node]]]:
     """The nodes of the QAT conv-bn fold (torchao's ``_qat_conv_bn_pattern``) feeding the ``aten.batch_norm`` node
-    ``bn``: ``batch_norm(div(conv(x, fq(mul(w, s_w)), 0), s) [+ b])``, or ``None`` where ``bn`` is not fed by one."""
-    if bn.op != "call_function" or bn.target is not _aten.batch_norm.default or bn.kwargs or bn.args[1] is None:
+    ``bn``, ``batch_norm(div(layer(x, fq(mul(w, s_w)), 0), s) [+ reshape(b)])`` with an affine BatchNorm, or ``None``
+    where ``bn`` is not fed by one: ``div``, ``layer``, ``divisor`` (``s``), ``layer_bias`` (``reshape(b)`` or
+    ``None``), and ``folded``, ``weight``, ``weight_scale`` (``fq(...)``, ``w``, ``s_w``; ``None`` where the layer's
+    weight is not a fake-quant of such a product)."""
+    if (bn.op != "call_function" or bn.target is not _aten.batch_norm.default or bn.kwargs or len(bn.args) < 3
+            or bn.args[1] is None or bn.args[2] is None):  # an affine BatchNorm, as torchao's fold
         return None
-    source = bn.args[0]
+    source, layer_bias = bn.args[0], None
     if (isinstance(source, torch.fx.Node) and source.target is _aten.add.Tensor and len(source.users) == 1
-            and isinstance(source.args[0], torch.fx.Node)):  # the conv's bias
-        source = source.args[0]
-    if not isinstance(source, torch.fx.Node) or source.target is not _aten.div.Tensor or len(source.args) != 2:
+            and isinstance(source.args[0], torch.fx.Node) and isinstance(source.args[1], torch.fx.Node)
+            and source.args[1].target in (_aten.reshape.default, _aten.view.default)):  # the conv's bias
+        source, layer_bias = source.args
+    if (not isinstance(source, torch.fx.Node) or source.target is not _aten.div.Tensor
+            or not all(isinstance(a, torch.fx.Node) for a in source.args)):
         return None
     layer, divisor = source.args
-    if not isinstance(layer, torch.fx.Node) or layer.target not in _FOLDED_LAYERS or not isinstance(divisor, torch.fx.Node):
+    if layer.target not in _FOLDED_LAYERS:
         return None
+    parts: dict[str, Optional[torch.fx.Node]] = {"div": source, "layer": layer, "divisor": divisor,
+                                                 "layer_bias": layer_bias, "folded": None, "weight": None,
+                                                 "weight_scale": None}
     folded = layer.args[1] if len(layer.args) > 1 else None
     product = folded.args[0] if isinstance(folded, torch.fx.Node) and folded.op == "call_module" and folded.args else None
-    if (not isinstance(product, torch.fx.Node) or product.target is not _aten.mul.Tensor
-            or not all(isinstance(a, torch.fx.Node) for a in product.args)):
-        return None
-    return {"bn": bn, "div": source, "layer": layer, "folded": folded, "weight": product.args[0],
-            "weight_scale": product.args[1], "divisor": divisor}
+    if (isinstance(product, torch.fx.Node) and product.target is _aten.mul.Tensor
+            and all(isinstance(a, torch.fx.Node) for a in product.args)):
+        parts.update(folded=folded, weight=product.args[0], weight_scale=product.args[1])
+    return parts
 
 
 def _train_zero_gammas(module: nn.Module) -> list[str]:
@@ -609,7 +607,7 @@ def _train_zero_gammas(module: nn.Module) -> list[str]:
             if not isinstance(gamma, torch.Tensor) or bool(gamma.all()):
                 continue
             parts = _fold_parts(node)
-            if parts is None:
+            if parts is None or parts["weight"] is None:
                 source = node.args[0]
                 if isinstance(source, torch.fx.Node) and source.target is _aten.add.Tensor:
                     source = source.args[0]
@@ -1564,9 +1562,7 @@ class Pt2eEngine(QuantEngine):
             observer = gm.get_submodule(str(node.target))
             if isinstance(observer, self.ao.fake_quant_types) or not isinstance(observer, self.ao.observer_types):
                 continue
-            weight: Any = gm
-            for part in str(node.args[0].target).split("."):
-                weight = getattr(weight, part)
+            weight = _get_attr_value(gm, node.args[0])
             if hasattr(observer, "reset_min_max_vals"):
                 observer.reset_min_max_vals()
             with torch.no_grad():
