@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -134,22 +135,6 @@ _GATE_NAMES_THE_ROUTE = [
     r"(qconfig_mapping \{'module_name': \[\{'name': '[^']+', 'qconfig': None\}\]\}|sit on near-ties of the fake-quant model)",
 ]
 KNOWN: dict[tuple[str, str], dict[str, Any]] = {
-    ("hf_llama_decoder", "fx"): {
-        "status": "refused",
-        "says": [r"FX stops in net\.decoder \(LlamaModel\): \*args/\*\*kwargs forward",
-                 r"\(route 1\.a\): modules=\[.*'net\.decoder\.layers\.\*\.mlp'"],
-        "note": "transformers 5's LlamaModel.forward takes **kwargs behind a decorator, where torch.fx stops; prepare "
-                "refuses, naming where FX stops and the modules list of the parts that trace (route 1.a); PT2E "
-                "exports the whole model",
-    },
-    ("hf_minilm_encoder", "fx"): {
-        "status": "refused",
-        "says": [r"FX stops in net\.encoder \(BertModel\): \*args/\*\*kwargs forward",
-                 r"\(route 1\.a\): modules=\[.*'net\.encoder\.encoder\.layer\.\*\.attention\.self\.query'"],
-        "note": "transformers 5's BertModel.forward takes **kwargs behind a decorator, where torch.fx stops; prepare "
-                "refuses, naming where FX stops and the modules list of the parts that trace (route 1.a: what the "
-                "`minilm_qat` recipe quantizes on the pretrained all-MiniLM-L6-v2); PT2E exports the whole model",
-    },
     # FX rows at the edge of the agreement target: int8 vs fake-quant 33-38 dB can flip one or two of 128 near-tied
     # predictions of a model at 60-75 % accuracy, which ones depending on the thread count (stop 22, 2 threads:
     # regnet 0.984; 1 thread: 1.000); the gate warns and names a layer when it does. Every layer computes as trained
@@ -210,6 +195,38 @@ KNOWN: dict[tuple[str, str], dict[str, Any]] = {
     },
 }
 
+
+# Rows that need config: prepare with modules=["net"] refuses, and the refusal must name the route (``refusal_says``);
+# ``run_case`` then fits again with the modules list the refusal writes (route 1.a), which must meet the targets, int8
+# against fake-quant measured on the whole model.
+_HF_FX_NOTE = ("transformers 5's {cls}.forward takes **kwargs behind a decorator, where torch.fx stops: prepare with "
+               "`modules=['net']` refuses, naming where FX stops and the modules list of the parts that trace (route "
+               "1.a); fitted with that list as the refusal writes it, those modules train and run int8 and {rest} stay "
+               "float (SQNR and agreement: the whole model's output, int8 vs fake-quant){extra}; PT2E exports the whole "
+               "model")
+ROUTES: dict[tuple[str, str], dict[str, Any]] = {
+    ("hf_llama_decoder", "fx"): {
+        "refusal_says": [r"FX stops in net\.decoder \(LlamaModel\): \*args/\*\*kwargs forward",
+                         r"\(route 1\.a\): modules=\[.*'net\.decoder\.layers\.\*\.mlp'"],
+        "note": _HF_FX_NOTE.format(cls="LlamaModel", rest="attention's matmuls and softmax, the rotary embedding and "
+                                   "the RMSNorms", extra=""),
+    },
+    ("hf_minilm_encoder", "fx"): {
+        "refusal_says": [r"FX stops in net\.encoder \(BertModel\): \*args/\*\*kwargs forward",
+                         r"\(route 1\.a\): modules=\[.*'net\.encoder\.encoder\.layer\.\*\.attention\.self\.query'"],
+        "note": _HF_FX_NOTE.format(cls="BertModel", rest="attention's matmuls and softmax, the embeddings and the "
+                                   "LayerNorms outside the output blocks", extra=": what the `minilm_qat` recipe "
+                                   "quantizes on the pretrained all-MiniLM-L6-v2"),
+    },
+}
+
+
+def route_in(message: str) -> Optional[list[str]]:
+    """The ``modules=[...]`` list a refusal names as route 1.a (the parts that trace), or ``None``."""
+    import ast
+
+    found = re.search(r"\(route 1\.a\): modules=(\[[^\]]*\])", message)
+    return ast.literal_eval(found.group(1)) if found else None
 
 # Notes for rows that meet the targets but leave something out (shown in the README table).
 NOTES: dict[tuple[str, str], str] = {
@@ -297,6 +314,7 @@ class CaseResult:
     fit_s: Optional[float] = None
     total_s: Optional[float] = None
     inductor_vs_int8_db: Optional[float] = None  # run_case(inductor_parity=True): the inductor candidate vs int8
+    refusal: str = ""  # a ROUTES row: what prepare with modules=["net"] said, whose route the case then took
 
     def learned(self) -> bool:
         """Whether the fake-quant model is well above chance, so that comparing int8 to it means something."""
@@ -337,17 +355,54 @@ def _lower_auto(result: CaseResult, qat: Any, int8: nn.Module, x: torch.Tensor, 
     result.float_ms_auto_b32, result.auto_ms_b32 = 1000.0 * ms["float"], 1000.0 * ms["auto"]
 
 
+def _with_fake_quant_targets(model: nn.Module, fake_quants: dict[str, nn.Module]) -> nn.Module:
+    """A copy of ``model`` (int8 targets inside) whose targets are their fake-quant copies, in eval mode."""
+    import copy
+
+    copied = copy.deepcopy(model)
+    for name, module in fake_quants.items():
+        copied.set_submodule(name, copy.deepcopy(module))
+    return copied.eval()
+
+
+def _whole_model_fidelity(result: CaseResult, fake_quant: nn.Module, int8: nn.Module, x: torch.Tensor) -> None:
+    """SQNR and top-1 agreement of ``int8`` against ``fake_quant`` on ``x`` in batches of 64, as the gate reads them."""
+    from qlightning.core.metrics import summed_sqnr_db, top1_agreement
+
+    with torch.no_grad():
+        pairs = [(fake_quant(x[i:i + 64]), int8(x[i:i + 64])) for i in range(0, len(x), 64)]
+    result.sqnr_db = round(summed_sqnr_db(pairs), 2)
+    agreement = top1_agreement(torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs]))
+    result.top1_agreement = None if agreement is None else round(agreement, 4)
+    result.samples = len(x)
+
+
 def run_case(model_name: str, engine: str, *, max_steps: Optional[int] = None, batch_size: int = 32, seed: int = 0,
-             latency: bool = False, latency_repeats: int = 15, inductor_parity: bool = False) -> CaseResult:
+             latency: bool = False, latency_repeats: int = 15, inductor_parity: bool = False,
+             modules: Optional[list[str]] = None) -> CaseResult:
     """Fit, convert and compare one model x engine; every failure is recorded, not raised. ``inductor_parity``: also
-    compile the ``lowering=inductor`` candidate and record its SQNR against the int8 model on 128 held digits."""
+    compile the ``lowering=inductor`` candidate and record its SQNR against the int8 model on 128 held digits.
+    ``modules``: the callback's targets (default ``["net"]``, the whole network; a :data:`ROUTES` row first tries that,
+    then the modules list its refusal names)."""
+    if modules is None and (model_name, engine) in ROUTES:
+        refused = run_case(model_name, engine, max_steps=max_steps, batch_size=batch_size, seed=seed, modules=["net"])
+        route = route_in(refused.message) if refused.status == "refused" else None
+        if route is None:
+            return refused  # not refused, or no route named: test_zoo says which
+        result = run_case(model_name, engine, max_steps=max_steps, batch_size=batch_size, seed=seed, latency=latency,
+                          latency_repeats=latency_repeats, inductor_parity=inductor_parity, modules=route)
+        result.refusal = refused.message
+        return result
     import lightning.pytorch as pl
 
     from qlightning import QuantizationAwareTraining
     from qlightning.examples.digits import ClassifierModule
 
     spec = MODELS[model_name]
-    result = CaseResult(model=model_name, engine=engine, status="error", options=dict(spec.options))
+    modules = modules or ["net"]
+    whole = modules == ["net"]
+    result = CaseResult(model=model_name, engine=engine, status="error",
+                        options=dict(spec.options) if whole else {**spec.options, "modules": modules})
     started = time.perf_counter()
     pl.seed_everything(seed, verbose=False)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -364,7 +419,7 @@ def run_case(model_name: str, engine: str, *, max_steps: Optional[int] = None, b
     # init need data, FIELD-NOTES), observers frozen for the last 15 %, BatchNorm never frozen (resnet50 frozen at
     # 7/8 of 96 steps at lr 3e-3: eval accuracy 93 % -> 20 % in the last 12 steps)
     qat = QuantizationAwareTraining(
-        modules=["net"], engine=engine,
+        modules=modules, engine=engine,
         fidelity={"on_breach": "warn", "batches": 2, "min_sqnr_db": TARGET_SQNR_DB, "min_top1_agreement": TARGET_TOP1},
         **spec.options,
     )
@@ -387,15 +442,20 @@ def run_case(model_name: str, engine: str, *, max_steps: Optional[int] = None, b
     if result.message:
         result.total_s = time.perf_counter() - started
         return result
-    fid = qat.fidelity_results.get("net", {})
-    result.sqnr_db = fid.get("sqnr_db")
-    result.top1_agreement = fid.get("top1_agreement")
-    result.samples = fid.get("samples")
-    if fid.get("error"):
-        result.message = str(fid["error"])[:1500]
     int8 = model.net
-    fake_quant = qat.fake_quant_modules.get("net")
     x, y = splits["test"].tensors
+    if whole:
+        fid = qat.fidelity_results.get("net", {})
+        result.sqnr_db = fid.get("sqnr_db")
+        result.top1_agreement = fid.get("top1_agreement")
+        result.samples = fid.get("samples")
+        if fid.get("error"):
+            result.message = str(fid["error"])[:1500]
+        fake_quant = qat.fake_quant_modules.get("net")
+    else:  # the whole network's output, its targets int8 against the same network with their fake-quant copies
+        model.eval()  # the float parts too (dropout)
+        fake_quant = _with_fake_quant_targets(model, qat.fake_quant_modules).net
+        _whole_model_fidelity(result, fake_quant, int8, x[:128])
     try:
         with torch.no_grad():
             result.int8_accuracy = float((int8(x[:256]).argmax(1) == y[:256]).float().mean())
@@ -420,7 +480,7 @@ def run_case(model_name: str, engine: str, *, max_steps: Optional[int] = None, b
             ms = _latency_ms({"float": lambda: float_net(xb), "int8": lambda: int8(xb)}, latency_repeats)
             setattr(result, f"float_ms_{attr}", ms["float"])
             setattr(result, f"int8_ms_{attr}", ms["int8"])
-        if fake_quant is not None:
+        if fake_quant is not None and whole:  # lowering=auto lowers each target: here the whole network only
             _lower_auto(result, qat, int8, x, float_net, latency_repeats)
     if result.message:
         result.status = "error"

@@ -46,10 +46,11 @@ def _auto(row: dict[str, Any]) -> str:
 
 
 def outcome(row: dict[str, Any]) -> str:
-    from tests.zoo.harness import KNOWN, NOTES
+    from tests.zoo.harness import KNOWN, NOTES, ROUTES
 
-    known = KNOWN.get((row["model"], row["engine"]), {})
-    note = known.get("note", "") if row["status"] != "works" else NOTES.get((row["model"], row["engine"]), "")
+    key = (row["model"], row["engine"])
+    known = KNOWN.get(key, {})
+    note = known.get("note", "") if row["status"] != "works" else NOTES.get(key) or ROUTES.get(key, {}).get("note", "")
     if row["status"] == "works":
         text = "works"
         if row.get("options"):

@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from tests.zoo.harness import ENGINES, KNOWN, MODELS, TARGET_SQNR_DB, TARGET_TOP1, have, run_case
+from tests.zoo.harness import ENGINES, KNOWN, MODELS, ROUTES, TARGET_SQNR_DB, TARGET_TOP1, have, run_case
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +41,12 @@ def test_zoo_model_through_engine(model: str, engine: str) -> None:
     print(summary)
     if (model, engine) in INDUCTOR_PARITY and not result.message:
         assert result.inductor_vs_int8_db >= INDUCTOR_PARITY[model, engine], summary
+    route = ROUTES.get((model, engine))
+    if route is not None:  # refused with modules=["net"], naming the modules that trace; with those it must work
+        for pattern in route["refusal_says"]:
+            assert re.search(pattern, result.refusal), (
+                f"{model} x {engine}: the refusal should say {pattern!r}; it said:\n{result.refusal or result.message}")
+        assert result.status == "works" and result.options.get("modules"), summary
     known = KNOWN.get((model, engine))
     if result.status == "works":  # meets the targets (a known row that starts to meet them is fine too)
         assert result.sqnr_db >= TARGET_SQNR_DB and result.top1_agreement >= TARGET_TOP1, summary
