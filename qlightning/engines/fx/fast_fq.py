@@ -222,10 +222,6 @@ MIN_ELEMENTS = 16384
 # up to this size take the fused op in that phase (digits CNN, batch 32: QAT step 1.72x -> 1.59x float, against
 # torch.ao's 1.62x); in the float warm-up and the frozen phase, MIN_ELEMENTS applies.
 MIN_ELEMENTS_OBSERVING = 81920
-# The conv-bn fold's ``folded / s`` keeps the quotient rather than ``folded`` for its backward (one weight-sized tensor
-# less) only from this many weight elements (1 MiB): its autograd.Function costs ~40-50 us of Python a step, 5 % of a
-# digits CNN step at batch 1, to save 72 KiB on that net's 18k-element conv.
-KEEP_RESULT_MIN_ELEMENTS = 1 << 18
 
 _ON = torch.ones(1, dtype=torch.long)
 _OFF = torch.zeros(1, dtype=torch.long)
@@ -657,7 +653,7 @@ def fast_conv_bn_forward_approximate(self: nn.Module, input: torch.Tensor) -> to
         weight = weight_out_of_fold(folded, s, weight)  # that channel convolves with the weight itself, not 0 / 0
     # the custom backward keeps one weight-sized tensor less, for ~40 us of Python a step: worth it only for large
     # weights (the same quotient; gamma's gradient differs by float rounding)
-    elif folded.numel() < KEEP_RESULT_MIN_ELEMENTS:
+    elif folded.numel() < MIN_ELEMENTS:
         weight = folded / s
     else:
         weight = _DivideKeepingResult.apply(folded, s)
