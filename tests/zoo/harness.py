@@ -356,12 +356,15 @@ def _lower_auto(result: CaseResult, qat: Any, int8: nn.Module, x: torch.Tensor, 
 
 
 def _with_fake_quant_targets(model: nn.Module, fake_quants: dict[str, nn.Module]) -> nn.Module:
-    """A copy of ``model`` (int8 targets inside) whose targets are their fake-quant copies, in eval mode."""
+    """A copy of ``model`` (int8 targets inside) whose targets are the callback's fake-quant copies (shared, only
+    read), in eval mode."""
     import copy
+
+    from qlightning.core.session import set_submodule
 
     copied = copy.deepcopy(model)
     for name, module in fake_quants.items():
-        copied.set_submodule(name, copy.deepcopy(module))
+        set_submodule(copied, name, module)
     return copied.eval()
 
 
